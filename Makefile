@@ -1,0 +1,29 @@
+# Quickstart targets: `make demo` and `make test` each create (or reuse) .venv and install
+# the project with torch pinned through constraints.txt (a CPU wheel on the build machines).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pdserve demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

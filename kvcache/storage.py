@@ -1,0 +1,137 @@
+"""KV storage: one block-major tensor per worker holding every layer's keys and values.
+
+Layout `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (2 = key, value) keeps
+one block's payload, across all layers, in one contiguous byte range. Migration can therefore
+send a block straight from pool memory, and physically adjacent blocks coalesce into one frame.
+Attention kernels read a layer through `layer_view`, a strided view, so they do not care.
+This module holds tensors only: it knows nothing of ids, ref counts or requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUT_NAME = "block-major/NL2BHD"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Map a dtype name ('float32', 'float16', 'bfloat16') to the torch dtype."""
+    if name not in _DTYPES:
+        raise ValueError(f"unknown KV dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in _DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one worker's KV pool.
+
+    num_layers: transformer layers whose K and V live in each block.
+    num_kv_heads: key/value heads per layer (GQA: fewer than query heads).
+    head_dim: channels per head.
+    block_size: token slots per block.
+    dtype: element type name: 'float32', 'float16' or 'bfloat16'.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+        dtype_from_name(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.token_bytes * self.block_size
+
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def fingerprint(self) -> dict:
+        """What two workers must agree on (block size aside, which can be re-blocked)."""
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "layout": LAYOUT_NAME,
+        }
+
+
+class KVStorage:
+    """The pool tensor plus helpers to read and write it by block or by slot."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
+                 pin_memory: bool = False):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        # (N, L, 2, B, H, D)
+        self.data = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.torch_dtype,
+                                device=self.device, pin_memory=pin_memory and self.device.type == "cpu")
+
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided (N, B, H, D) views of one layer's keys and values."""
+        return self.data[:, layer, 0], self.data[:, layer, 1]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst inside this pool (copy-on-write)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        self.data[dst] = self.data[src]
+
+    def write_slot(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one token's K and V, each (L, H, D), at physical slot block*B + offset."""
+        b, off = divmod(slot, self.layout.block_size)
+        self.data[b, :, 0, off] = k
+        self.data[b, :, 1, off] = v
+
+    def read_slots(self, slots: list[int]) -> torch.Tensor:
+        """Gather tokens at physical slots: returns (T, L, 2, H, D)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        blocks, offs = idx // self.layout.block_size, idx % self.layout.block_size
+        return self.data[blocks, :, :, offs]  # (T, L, 2, H, D)
+
+    def block_bytes_view(self, block: int, count: int = 1) -> memoryview:
+        """Raw bytes of `count` physically adjacent blocks starting at `block` (CPU pools only)."""
+        if self.device.type != "cpu":
+            raise ValueError("byte views exist only for CPU pools; stage device blocks first")
+        chunk = self.data[block:block + count]
+        return memoryview(chunk.view(torch.uint8).numpy()).cast("B")
