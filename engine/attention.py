@@ -1,0 +1,36 @@
+"""Attention backend selection: `torch` (reference) or `triton` (paged kernels).
+
+Both expose the same two functions, `store_kv(key, value, k_cache, v_cache, slot_mapping)` and
+`paged_attention(q, k_cache, v_cache, meta, scale)`. Auto-selection takes Triton on CUDA and the
+torch reference on CPU; PDSERVE_ATTENTION=torch|triton (or the engine's `attention_backend`
+config field) forces one. A forced Triton backend on CPU needs TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kv: Callable
+    paged_attention: Callable
+
+
+def get_backend(name: str | None = None, device: torch.device | str = "cpu") -> AttentionBackend:
+    """Resolve 'auto'/None, 'torch' or 'triton' to a backend for `device`."""
+    name = name or os.environ.get("PDSERVE_ATTENTION", "auto")
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        from engine import attn_torch as mod
+    elif name == "triton":
+        from engine import attn_triton as mod  # type: ignore[no-redef]
+    else:
+        raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")
+    return AttentionBackend(name, mod.store_kv, mod.paged_attention)
