@@ -1,0 +1,25 @@
+"""`pdserve bench engine`: engine tokens/s and step latency beside transformers `generate`."""
+
+from __future__ import annotations
+
+NAME = "engine"
+GROUP = "bench"
+HELP = "engine throughput vs Hugging Face transformers generate on the same checkpoint and prompts"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", help="write the result JSON here")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    from engine.bench import run as bench
+
+    bench(num_prompts=args.num_prompts, max_tokens=args.max_tokens, min_prompt=args.min_prompt,
+          max_prompt=args.max_prompt, block_size=args.block_size, seed=args.seed, json_path=args.json)
+    return 0
