@@ -98,9 +98,9 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int = 16, max_p
         print("transformers generate (one padded batch) ...", flush=True)
         hf = run_hf(ckpt, prompts, max_tokens)
     same = sum(a == b for a, b in zip(eng.pop("outputs"), hf.pop("outputs")))
-    result = {"config": {"num_prompts": num_prompts, "max_tokens": max_tokens, "prompt_len": [min_prompt, max_prompt],
-                         "block_size": block_size, "dtype": "float32", "device": "cpu",
-                         "torch_threads": torch.get_num_threads()},
+    result = {"config": {"num_prompts": num_prompts, "max_tokens": max_tokens,
+                         "prompt_len": [min_prompt, max_prompt], "block_size": block_size,
+                         "dtype": "float32", "device": "cpu", "torch_threads": torch.get_num_threads()},
               "pdserve": eng, "transformers": hf,
               "speedup_vs_transformers": eng["tokens_per_s"] / hf["tokens_per_s"],
               "identical_outputs": same, "num_prompts": num_prompts}

@@ -109,7 +109,8 @@ class LLMEngine:
         if self.config.role != "colocated" and params.beam_width > 1:
             raise RequestError("beam search runs on colocated engines only")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
         self.validate_prompt(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
@@ -185,8 +186,8 @@ class LLMEngine:
             order.append(s.seq_id)
         meta = AttentionMetadata.build(tables, seq_lens, q_lens, self.config.block_size, self.device)
         with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor(ids, device=self.device),
-                                        torch.tensor(pos, device=self.device), self.storage, meta)  # (T, hidden)
+            hidden = self.model.forward(torch.tensor(ids, device=self.device),  # (T, hidden)
+                                        torch.tensor(pos, device=self.device), self.storage, meta)
             last = meta.query_start_loc[1:].long() - 1  # (S,)
             logits = self.model.compute_logits(hidden[last]).float()  # (S, V)
         for sid, n in zip(order, seq_lens):
@@ -271,7 +272,7 @@ class LLMEngine:
         else:
             raise RuntimeError(f"generate did not finish within {max_steps} steps")
         out = []
-        for rid, (p, sp) in reqs.items():
+        for rid, (p, _) in reqs.items():
             req = live[rid]
             choices = [self.choice(s, req.params) for s in sorted(req.seqs, key=lambda s: s.index)]
             out.append(Completion(rid, p, choices))
