@@ -63,7 +63,7 @@ def run(args) -> int:
             body = _remote(args, ids)
         else:
             body = _local(args, ids)
-    except ValueError as e:  # RequestError, bad sampling parameters, unsupported model
+    except (ValueError, OSError) as e:  # RequestError, bad sampling parameters, bad model spec
         return _fail(str(e).splitlines()[0])
     if args.json:
         print(json.dumps(body))
