@@ -1,0 +1,166 @@
+"""Build a model from a spec: "tiny" (weights drawn from a fixed seed) or a Hugging Face
+checkpoint directory (config.json + *.safetensors, sharded model.safetensors.index.json too).
+
+`load_model(spec, device, dtype, backend) -> (model, config, tokenizer)`. The model runs in
+float32 on CPU and bfloat16 on CUDA unless a dtype is given. Checkpoint tensors are read one at
+a time with safetensors (never pickle) and copied into parameters allocated directly on the
+target device; every parameter must be found and every checkpoint tensor must be used, else a
+`CheckpointError` lists what is missing or unexpected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+import torch
+
+from engine.attention import AttentionBackend, get_backend
+from engine.config import ModelConfig
+from engine.model import LlamaModel
+from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvcache.storage import dtype_from_name, dtype_name
+
+TINY_SEED = 1234
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: files or tensors missing, extra or misshapen."""
+
+
+def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None) -> torch.dtype:
+    """Requested dtype, or the default: float32 on CPU, bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else dtype_from_name(dtype)
+
+
+def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+               backend: AttentionBackend | str | None = None
+               ) -> tuple[LlamaModel, ModelConfig, ByteTokenizer | HFTokenizer]:
+    """Returns (model in eval mode on `device`, its config with the dtype it runs in, tokenizer).
+
+    backend: an AttentionBackend, a backend name ('torch', 'triton', 'auto') or None (auto).
+    """
+    device = torch.device(device)
+    run_dtype = resolve_dtype(device, dtype)
+    if not isinstance(backend, AttentionBackend):
+        backend = get_backend(backend, device)
+    if spec == "tiny":
+        config = ModelConfig.tiny()
+        model = LlamaModel(config, backend)
+        _init_tiny(model, TINY_SEED)
+        model.to(device=device, dtype=run_dtype)
+        directory = None
+    else:
+        directory = spec
+        config = read_config(directory)
+        with torch.device("meta"):
+            model = LlamaModel(config, backend)
+        model.to(dtype=run_dtype)  # still on meta: no memory touched yet
+        model.to_empty(device=device)  # allocate once, in the run dtype, on the target device
+        load_weights(model, directory)
+    model.eval().requires_grad_(False)
+    config = dataclasses.replace(config, dtype=dtype_name(run_dtype))
+    return model, config, load_tokenizer(directory, config)
+
+
+def read_config(directory: str) -> ModelConfig:
+    """ModelConfig from DIR/config.json, with EOS ids from generation_config.json merged in."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"model spec {directory!r} is neither 'tiny' nor a checkpoint directory")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory} has no config.json")
+    with open(path) as f:
+        config = ModelConfig.from_hf_config(json.load(f))
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
+        config = dataclasses.replace(config, eos_token_ids=merged)
+    return config
+
+
+def _init_tiny(model: LlamaModel, seed: int) -> None:
+    """Deterministic random weights: norms 1, embeddings N(0, 0.1), linears N(0, 1/fan_in), biases 0."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # registration order: fixed for a given config
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name == "embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of a checkpoint: from the shard index when there is one."""
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(directory, n) for n in names]
+        absent = [n for n, p in zip(names, files) if not os.path.isfile(p)]
+        if absent:
+            raise CheckpointError(f"{INDEX_FILE} names shard files that are absent: {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {directory} "
+                              "(pickled .bin weights are not loaded)")
+    return files
+
+
+def _param_name(key: str, tied: bool) -> str | None:
+    """Our parameter name for a checkpoint key; None for keys deliberately skipped."""
+    if key.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
+        return None
+    if key == "lm_head.weight":
+        return None if tied else key
+    return key[len("model."):] if key.startswith("model.") else key
+
+
+def load_weights(model: LlamaModel, directory: str) -> None:
+    """Copy every checkpoint tensor into its parameter (converting dtype/device)."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for path in checkpoint_files(directory):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _param_name(key, model.config.tie_word_embeddings)
+                    if name is None:
+                        continue
+                    if name not in params:
+                        unexpected.append(key)
+                        continue
+                    tensor = f.get_tensor(key)
+                    if tuple(tensor.shape) != tuple(params[name].shape):
+                        raise CheckpointError(f"{key} in {os.path.basename(path)} has shape "
+                                              f"{tuple(tensor.shape)}, the model expects "
+                                              f"{tuple(params[name].shape)}")
+                    params[name].copy_(tensor)
+                    loaded.add(name)
+    missing = sorted(n if n == "lm_head.weight" else f"model.{n}" for n in set(params) - loaded)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {directory} does not match {model.config.architecture}: "
+                              f"missing {_few(missing)}; unexpected {_few(unexpected)}")
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more

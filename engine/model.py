@@ -1,0 +1,142 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch over the paged KV cache.
+
+One `forward` runs a packed (varlen) batch: T new tokens of S sequences back to back, described
+by an AttentionMetadata. Each layer writes the new tokens' K/V into their slots of the KVStorage
+and attends through the block tables via the attention backend (torch reference or Triton).
+Numerics follow transformers' implementation (RMSNorm in float32, rotate-half RoPE, SwiGLU) so a
+checkpoint gives the same logits here as there. Parameter names mirror the HF checkpoint keys
+without the leading "model." (engine.loader maps them). Logits come out in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.attn_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.rope import RotaryEmbedding, apply_rotary
+from kvcache.storage import KVStorage
+
+
+def logits_indices(meta: AttentionMetadata) -> torch.Tensor:
+    """(S,) int64 row of each sequence's last new token in the packed batch."""
+    return meta.query_start_loc[1:].long() - 1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; K/V go through the paged cache of one layer."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.backend = backend
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        self.backend.store_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        o = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # (T, Hq * D) -> (T, hidden)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus output projection.
+
+    Parameters: embed_tokens, layers.{i}.*, norm, and lm_head unless the embeddings are tied
+    (then `lm_head` is None and compute_logits uses embed_tokens.weight). Construct, then move
+    with `.to(device, dtype)`; inference only (call under torch.inference_mode()).
+    """
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def _check(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage) -> None:
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be (T,), got {tuple(input_ids.shape)} "
+                             f"and {tuple(positions.shape)}")
+        if input_ids.dtype != torch.long or positions.dtype != torch.long:
+            raise ValueError("input_ids and positions must be int64 tensors")
+        lay, c = kv.layout, self.config
+        if (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(f"KV layout {lay.num_layers} layers x {lay.num_kv_heads} heads x {lay.head_dim} "
+                             f"does not fit the model ({c.num_layers} x {c.num_kv_heads} x {c.head_dim})")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,) int64 on the model's device -> hidden (T, hidden) in the
+        model dtype. New K/V are written into `kv` at meta.slot_mapping."""
+        self._check(input_ids, positions, kv)
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary(positions)  # (T, D) float32 each
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer_view(i)  # (N, B, Hkv, D) each
+            h = layer(h, cos, sin, k_cache, v_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., hidden) -> logits (..., vocab) in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
