@@ -1,5 +1,5 @@
-"""Shared test setup: hypothesis profiles ("ci" runs more examples; select with
-HYPOTHESIS_PROFILE) and the `gpu` marker's skip when CUDA is absent."""
+"""Shared test setup: hypothesis profiles (select with HYPOTHESIS_PROFILE), one torch thread,
+and the `gpu` marker's skip when CUDA is absent."""
 
 import os
 
@@ -11,6 +11,9 @@ settings.register_profile("default", deadline=None, suppress_health_check=[Healt
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# The test models are tiny: one intra-op thread is faster than two fighting over 2 cores.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
