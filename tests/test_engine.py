@@ -185,3 +185,19 @@ def test_abort_returns_every_block(loaded):
     assert eng.abort(rid)
     assert eng.kv.allocator.num_used == 0 and not eng.has_work()
     eng.kv.check_integrity()
+
+
+def test_triton_backend_gives_the_same_greedy_tokens(loaded, llama_dir):
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (make test sets it)")
+    from engine.attention import get_backend
+    from engine.loader import load_model
+
+    tri = load_model(llama_dir, device="cpu", dtype=None, backend=get_backend("triton"))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts()[:3]
+    a = _engine(loaded, block_size=16, num_blocks=64).generate(prompts, params)
+    b = _engine(tri, block_size=16, num_blocks=64, attention_backend="triton").generate(prompts, params)
+    assert [c.choices for c in a] == [c.choices for c in b]
