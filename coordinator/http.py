@@ -1,0 +1,328 @@
+"""The coordinator's OpenAI-compatible HTTP API (aiohttp).
+
+Routes: `POST /v1/completions` (JSON, or server-sent events with `stream`), `GET /v1/models`,
+`GET /health`, `GET /metrics` (Prometheus text), `GET /v1/cluster` (the backend's `info()`).
+The layer sees only `CompletionRequest`s, backend events and the backend methods documented in
+coordinator.backend, so the in-process engine and the Ray cluster serve the same API. Text is
+produced here, incrementally per choice (coordinator.detokenize): multi-byte characters split
+across tokens are held back until complete, stop strings cut the text and the token ids at the
+same token. Every error, from bad JSON to a dead worker, is the OpenAI error body with its
+status; every wait on the backend is bounded by `HTTPConfig.stall_timeout_s`; a client that
+goes away (disconnect or cancellation) closes the backend's event stream, which aborts the
+request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from coordinator.backend import FinalEvent, TokenEvent
+from coordinator.detokenize import Detokenizer
+from coordinator.metrics import CONTENT_TYPE, Metrics
+from coordinator.protocol import (
+    APIError,
+    InternalError,
+    ModelNotFound,
+    Timeout,
+    parse_completion_request,
+    resolve_prompt,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HTTPConfig:
+    """host/port: where `serve` binds (loopback unless told otherwise).
+    max_n: largest `n` accepted. max_body_bytes: larger request bodies get 413.
+    stall_timeout_s: longest wait for the backend's next event before the request fails (504).
+    final_event_timeout_s: after every choice finished here, how long to wait for the backend's
+        closing FinalEvent before closing its stream (which aborts the backend request)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_n: int = 16
+    max_body_bytes: int = 1 << 20
+    stall_timeout_s: float = 60.0
+    final_event_timeout_s: float = 1.0
+
+
+BACKEND = web.AppKey("backend", object)
+CONFIG = web.AppKey("config", HTTPConfig)
+METRICS = web.AppKey("metrics", Metrics)
+
+
+@dataclass
+class _Choice:
+    detok: Detokenizer
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class _Run:
+    """One admitted request: pulls backend events, turns them into per-choice deltas, keeps time."""
+
+    def __init__(self, app: web.Application, creq):
+        self.backend, self.cfg, self.metrics = app[BACKEND], app[CONFIG], app[METRICS]
+        self.creq = creq
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None
+        self.choices = [_Choice(Detokenizer(self.backend.tokenizer, creq.stop)) for _ in range(creq.n)]
+        self.final: FinalEvent | None = None
+        self.error: APIError | None = None  # a failure already reported inside a started stream
+
+    async def deltas(self):
+        gen = self.backend.submit(self.creq)
+        async with contextlib.aclosing(gen):
+            while any(c.finish_reason is None for c in self.choices):
+                ev = await self._next(gen, self.cfg.stall_timeout_s)
+                if ev is None:
+                    raise InternalError("the backend ended the request before every choice finished")
+                if isinstance(ev, FinalEvent):
+                    self.final = ev
+                elif isinstance(ev, TokenEvent) and 0 <= ev.index < len(self.choices):
+                    d = self._apply(ev)
+                    if d is not None:
+                        yield d
+            if self.final is None:  # normally already queued right behind the last token
+                with contextlib.suppress(Timeout, StopAsyncIteration):
+                    ev = await self._next(gen, self.cfg.final_event_timeout_s)
+                    self.final = ev if isinstance(ev, FinalEvent) else None
+
+    async def _next(self, gen, timeout: float):
+        try:
+            return await asyncio.wait_for(gen.__anext__(), timeout)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            raise Timeout(f"the backend sent nothing for {timeout:g}s") from None
+
+    def _apply(self, ev: TokenEvent) -> _Delta | None:
+        c = self.choices[ev.index]
+        if c.finish_reason is not None:
+            return None  # this choice already ended here (stop string seen before the backend saw it)
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+            self.metrics.first_token(self.t_first - self.t0)
+        taken = c.detok.push(ev.token_ids)
+        new_ids = list(ev.token_ids[:taken])
+        c.ids += new_ids
+        if c.detok.stopped:
+            c.finish_reason = "stop"
+        elif ev.finish_reason is not None:
+            c.finish_reason = ev.finish_reason
+            c.detok.finish()
+        text = c.detok.take(final=c.finish_reason is not None)
+        if not text and not new_ids and c.finish_reason is None:
+            return None
+        return _Delta(ev.index, text, new_ids, c.finish_reason)
+
+    def usage(self) -> dict:
+        completion = sum(len(c.ids) for c in self.choices)
+        prompt = len(self.creq.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def timing(self) -> dict:
+        """Latencies (ms) plus the backend's info, for the response's `pdserve` extension."""
+        now = time.monotonic()
+        out = {"e2e_ms": round((now - self.t0) * 1000, 3)}
+        if self.t_first is not None:
+            out["ttft_ms"] = round((self.t_first - self.t0) * 1000, 3)
+            longest = max(len(c.ids) for c in self.choices)
+            if longest > 1:
+                out["tpot_ms"] = round((now - self.t_first) * 1000 / (longest - 1), 3)
+        out["backend"] = self.final.info if self.final is not None else {}
+        return out
+
+    def record(self, status: str) -> None:
+        t = self.timing()
+        tpot = t.get("tpot_ms")
+        self.metrics.request_done(status, started=self.t_first is not None, e2e_s=t["e2e_ms"] / 1000,
+                                  tpot_s=None if tpot is None else tpot / 1000,
+                                  completion_tokens=self.usage()["completion_tokens"])
+
+
+def _error_response(e: APIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def _status_label(status: int) -> str:
+    return "client_error" if status < 500 else "server_error"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every failure leaves as the OpenAI error body."""
+    metrics = request.app[METRICS]
+    try:
+        return await handler(request)
+    except APIError as e:
+        metrics.count_error(e.kind)
+        return _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        metrics.count_error(f"http_{e.status}")
+        body = {"error": {"message": e.reason, "type": "invalid_request_error" if e.status < 500 else
+                          "internal_error", "param": None, "code": None}}
+        return web.json_response(body, status=e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s", request.path)
+        metrics.count_error("internal")
+        return _error_response(InternalError(f"internal error: {type(e).__name__}: {e}"))
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    backend, cfg, metrics = app[BACKEND], app[CONFIG], app[METRICS]
+    try:
+        creq = parse_completion_request(await request.read(), max_n=cfg.max_n)
+        names = backend.model_names()
+        if creq.model and creq.model not in names:
+            raise ModelNotFound(f"the model '{creq.model}' does not exist; this server serves: "
+                                f"{', '.join(names)}")
+        creq = resolve_prompt(creq, backend.tokenizer, backend.max_context, backend.vocab_size)
+    except (APIError, web.HTTPException) as e:
+        metrics.request_refused(_status_label(e.status))
+        raise
+    model = creq.model or names[0]
+    metrics.request_admitted(len(creq.prompt_ids))
+    run = _Run(app, creq)
+    status = "aborted"
+    try:
+        if creq.stream:
+            resp = await _stream(request, run, model)
+        else:
+            resp = await _whole(run, model)
+        status = "ok" if run.error is None else _status_label(run.error.status)
+        return resp
+    except APIError as e:
+        status = _status_label(e.status)
+        raise
+    except ConnectionResetError:  # the client went away mid-answer
+        raise
+    except Exception:
+        status = "server_error"
+        raise
+    finally:  # CancelledError / ConnectionResetError (client gone) leave status "aborted"
+        run.record(status)
+
+
+def _head(run: _Run, model: str) -> dict:
+    return {"id": run.creq.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model}
+
+
+async def _whole(run: _Run, model: str) -> web.Response:
+    texts = [""] * len(run.choices)
+    async for d in run.deltas():
+        texts[d.index] += d.text
+    choices = [{"index": i, "text": texts[i], "token_ids": c.ids, "finish_reason": c.finish_reason,
+                "logprobs": None} for i, c in enumerate(run.choices)]
+    return web.json_response({**_head(run, model), "choices": choices, "usage": run.usage(),
+                              "pdserve": run.timing()})
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+async def _stream(request: web.Request, run: _Run, model: str) -> web.StreamResponse:
+    it = run.deltas().__aiter__()
+    async with contextlib.aclosing(it):
+        first = await it.__anext__()  # errors before the first token still get their own status
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        head = _head(run, model)
+        pending: _Delta | None = first
+        try:
+            while pending is not None:
+                nxt = await anext(it, None)
+                chunk = {**head, "choices": [{"index": pending.index, "text": pending.text,
+                                              "token_ids": pending.token_ids, "logprobs": None,
+                                              "finish_reason": pending.finish_reason}]}
+                if nxt is None:  # the last chunk carries usage and timings
+                    chunk["usage"] = run.usage()
+                    chunk["pdserve"] = run.timing()
+                await resp.write(_sse(chunk))
+                pending = nxt
+        except APIError as e:  # mid-stream failure: the status is already sent, say it in the stream
+            request.app[METRICS].count_error(e.kind)
+            run.error = e
+            await resp.write(_sse(e.body()))
+        await resp.write(_sse(b"[DONE]"))
+        await resp.write_eof()
+        return resp
+
+
+async def _models(request: web.Request) -> web.Response:
+    b = request.app[BACKEND]
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+             "max_model_len": b.max_context} for name in b.model_names()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    ok, msg = request.app[BACKEND].health()
+    return web.json_response({"status": "ok" if ok else "unhealthy", "message": msg},
+                             status=200 if ok else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render() + request.app[BACKEND].metrics_text().encode()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _cluster(request: web.Request) -> web.Response:
+    return web.json_response(request.app[BACKEND].info())
+
+
+def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None = None) -> web.Application:
+    """The web app over `backend`; pass `metrics` to share one Metrics with a cluster backend."""
+    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
+    app[BACKEND], app[CONFIG], app[METRICS] = backend, config, metrics or Metrics()
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/cluster", _cluster)
+    return app
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
+                       shutdown_timeout_s: float = 5.0) -> tuple[web.AppRunner, int]:
+    """Start listening; returns the runner (call `cleanup()` to stop) and the bound port."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]
+
+
+async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, ready=None) -> None:
+    """Serve until cancelled; `ready(port)` is called once listening."""
+    runner, bound = await start_server(app, host, port)
+    log.info("pdserve API listening on http://%s:%d", host, bound)
+    try:
+        if ready is not None:
+            ready(bound)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,71 @@
+"""`pdserve serve`: the OpenAI-compatible HTTP API over one in-process colocated engine.
+
+No Ray, no workers: the same coordinator HTTP layer as `pdserve up`, with a LocalEngineBackend
+behind it. Binds to loopback unless told otherwise; Ctrl-C or SIGTERM stops it cleanly (the
+listener closes, in-flight requests are cancelled and their blocks freed, the engine thread
+joins). Bad arguments or a busy port exit with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import sys
+
+NAME = "serve"
+GROUP = None
+HELP = "serve the OpenAI-compatible HTTP API over one in-process engine (no Ray)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+
+
+def _fail(msg: str) -> int:
+    print(f"pdserve serve: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    import asyncio
+    import signal
+
+    from coordinator.backend import LocalBackendConfig, LocalEngineBackend
+    from coordinator.http import HTTPConfig, make_app, serve
+    from engine.engine import EngineConfig
+
+    try:
+        cfg = EngineConfig(model=args.model, device=args.device, block_size=args.block_size,
+                           num_blocks=args.num_blocks)
+        backend = LocalEngineBackend(cfg, config=LocalBackendConfig(name=args.served_model_name))
+    except (ValueError, OSError) as e:
+        return _fail(str(e).splitlines()[0])
+    app = make_app(backend, HTTPConfig(host=args.host, port=args.port))
+
+    def ready(port: int) -> None:
+        print(f"pdserve serve: model {backend.name!r} on http://{args.host}:{port}/v1 "
+              f"(Ctrl-C to stop)", flush=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await serve(app, args.host, args.port, ready=ready)
+        except asyncio.CancelledError:
+            pass
+
+    backend.start()
+    try:
+        asyncio.run(main())
+    except OSError as e:  # the port is taken, the address is not ours...
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    finally:
+        backend.close()
+    print("pdserve serve: stopped", flush=True)
+    return 0
