@@ -9,8 +9,8 @@ config field) forces one. A forced Triton backend on CPU needs TRITON_INTERPRET=
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

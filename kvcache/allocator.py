@@ -20,7 +20,7 @@ invariant.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import numpy as np
 import xxhash
@@ -41,12 +41,17 @@ def hash_block(parent_hash: int, token_ids, extra_key: bytes | str | None = None
     """Chained prefix hash of one full block: H(parent hash, the block's token ids, extra key).
 
     Stable across processes and machines (xxh3-64 over bytes), so two workers can compare hashes.
+    The encoding is unambiguous: the token count and the extra key's presence and length are
+    hashed too, so no (tokens, key) pair can collide with another by shifting bytes between them.
     """
+    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (T,)
     h = xxhash.xxh3_64()
     h.update(int(parent_hash).to_bytes(8, "little", signed=False))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(len(tokens).to_bytes(8, "little"))
+    h.update(tokens.tobytes())
     if extra_key is not None:
-        h.update(extra_key.encode() if isinstance(extra_key, str) else bytes(extra_key))
+        key = extra_key.encode() if isinstance(extra_key, str) else bytes(extra_key)
+        h.update(b"\x01" + len(key).to_bytes(8, "little") + key)
     return h.intdigest()
 
 
@@ -85,11 +90,10 @@ class BlockAllocator:
         return self.num_blocks - self.num_available
 
     def ref_count(self, block: int) -> int:
-        self._check_id(block)
-        return self._ref[block]
+        return self._ref[self._check_id(block)]
 
     def hash_of(self, block: int) -> int | None:
-        return self._hash_of.get(block)
+        return self._hash_of.get(self._check_id(block))
 
     # ---- allocate / free ----------------------------------------------------------------
     def allocate(self) -> int | None:
@@ -115,14 +119,14 @@ class BlockAllocator:
 
     def incref(self, block: int) -> None:
         """Add a reference to a block already in use (fork, sharing)."""
-        self._check_id(block)
+        block = self._check_id(block)
         if self._ref[block] == 0:
             raise ValueError(f"incref of block {block}, which is not in use")
         self._ref[block] += 1
 
     def free(self, block: int) -> None:
         """Drop one reference; at zero the block joins the cached or the clean queue."""
-        self._check_id(block)
+        block = self._check_id(block)
         if self._ref[block] == 0:
             raise ValueError(f"double free of block {block}: its ref count is already 0")
         self._ref[block] -= 1
@@ -133,8 +137,15 @@ class BlockAllocator:
                 self._clean.append(block)
 
     def free_many(self, blocks: list[int]) -> None:
-        """Free in the order given (pass a table reversed to release its tail first)."""
-        for b in blocks:
+        """Free in the order given (pass a table reversed to release its tail first).
+
+        Validated first: a list that would double free raises ValueError and frees nothing.
+        """
+        ids = [self._check_id(b) for b in blocks]
+        for b, n in Counter(ids).items():
+            if n > self._ref[b]:
+                raise ValueError(f"double free of block {b}: freed {n} times, ref count {self._ref[b]}")
+        for b in ids:
             self.free(b)
 
     # ---- prefix cache -------------------------------------------------------------------
@@ -144,7 +155,7 @@ class BlockAllocator:
         Returns False (and changes nothing) when another block already holds that hash or this
         block already has one: the first copy stays canonical.
         """
-        self._check_id(block)
+        block = self._check_id(block)
         if self._ref[block] == 0:
             raise ValueError(f"cannot register hash for block {block}, which is not in use")
         if block_hash in self._block_of or block in self._hash_of:
@@ -183,9 +194,13 @@ class BlockAllocator:
         return set(self._block_of)
 
     # ---- invariants ---------------------------------------------------------------------
-    def _check_id(self, block: int) -> None:
-        if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
+    def _check_id(self, block: int) -> int:
+        """The id as a plain int (numpy ints would leak into tables and break msgpack); bools,
+        floats and out-of-range ids raise ValueError."""
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) \
+                or not 0 <= block < self.num_blocks:
             raise ValueError(f"unknown block id {block!r} (pool has {self.num_blocks} blocks)")
+        return int(block)
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Fail loudly if any invariant is broken.
@@ -197,7 +212,8 @@ class BlockAllocator:
         used = {b for b in range(self.num_blocks) if self._ref[b] > 0}
         _require(len(clean) == len(self._clean), "a block appears twice in the clean queue")
         _require(not (clean & evict), f"blocks both clean and cached: {sorted(clean & evict)[:8]}")
-        _require(not (used & (clean | evict)), f"referenced blocks in the free list: {sorted(used & (clean | evict))[:8]}")
+        _require(not (used & (clean | evict)),
+                 f"referenced blocks in the free list: {sorted(used & (clean | evict))[:8]}")
         _require(len(clean) + len(evict) + len(used) == self.num_blocks,
                  f"free {len(clean)} + cached {len(evict)} + used {len(used)} != total {self.num_blocks}")
         _require(all(r >= 0 for r in self._ref), "negative ref count")
@@ -207,6 +223,10 @@ class BlockAllocator:
             _require(self._hash_of.get(b) == h, f"hash map and block map disagree at block {b}")
         _require(len(self._block_of) == len(self._hash_of), "hash maps differ in size")
         if expected_refs is not None:
+            bad = [b for b in expected_refs
+                   if not (isinstance(b, (int, np.integer)) and 0 <= b < self.num_blocks)]
+            _require(not bad, f"tables name unknown block ids {bad[:8]}")
             for b in range(self.num_blocks):
                 want = expected_refs.get(b, 0)
-                _require(self._ref[b] == want, f"block {b}: ref count {self._ref[b]}, tables name it {want} times")
+                _require(self._ref[b] == want,
+                         f"block {b}: ref count {self._ref[b]}, tables name it {want} times")

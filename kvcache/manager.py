@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.allocator import ROOT_HASH, BlockAllocator, hash_block
+from kvcache.allocator import ROOT_HASH, BlockAllocator, IntegrityError, hash_block
 from kvcache.storage import KVStorage
 
 
@@ -52,6 +52,11 @@ class BlockTable:
         return self.num_tokens - (len(self.blocks) - 1) * block_size
 
 
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise IntegrityError(msg)
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -65,6 +70,11 @@ class KVCacheManager:
             raise ValueError("storage and allocator disagree on the number of blocks")
         if storage is not None and storage.layout.block_size != block_size:
             raise ValueError("storage block size differs from the manager's")
+        if host_storage is not None and host_storage.layout.block_size != block_size:
+            raise ValueError("host storage block size differs from the manager's")
+        if storage is not None and host_storage is not None and host_storage.layout != storage.layout:
+            raise ValueError(f"host storage layout {host_storage.layout} differs from the device "
+                             f"storage layout {storage.layout}; swapped blocks would not fit")
         self.allocator = allocator
         self.block_size = block_size
         self.storage = storage
@@ -108,7 +118,12 @@ class KVCacheManager:
         return found
 
     def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
+        """Physical slots of tokens start..end-1 (each must already have a slot)."""
         t = self.table(seq_id)
+        if t.swapped:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; its blocks are host ids")
+        if not 0 <= start <= end <= t.num_tokens:
+            raise ValueError(f"token range {start}..{end} outside 0..{t.num_tokens}")
         return [t.slot(i, self.block_size) for i in range(start, end)]
 
     # ---- allocate / grow ----------------------------------------------------------------
@@ -139,6 +154,12 @@ class KVCacheManager:
     def blocks_needed_to_append(self, seq_id, n: int = 1) -> int:
         """New blocks `append` would take for n more tokens (copy-on-write included)."""
         t = self.table(seq_id)
+        if t.swapped:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in before appending")
+        if n < 0:
+            raise ValueError(f"cannot append a negative number of tokens ({n})")
+        if n == 0:
+            return 0
         B = self.block_size
         need = blocks_for(t.num_tokens + n, B) - len(t.blocks)
         fill = t.tail_fill(B)
@@ -151,6 +172,8 @@ class KVCacheManager:
         t = self.table(seq_id)
         if t.swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in before appending")
+        if not token_ids:  # nothing to place: no copy-on-write either
+            return True
         if self.blocks_needed_to_append(seq_id, len(token_ids)) > self.allocator.num_available:
             return False
         self._cow_tail(t)
@@ -196,6 +219,12 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
         if len(blocks) != blocks_for(len(token_ids), self.block_size):
             raise ValueError(f"{len(blocks)} blocks cannot hold exactly {len(token_ids)} tokens")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"adopt got a block twice: {list(blocks)}")
+        blocks = [int(b) for b in blocks]
+        for b in blocks:
+            if self.allocator.ref_count(b) < 1:
+                raise ValueError(f"adopt of block {b}, which the caller does not hold (ref count 0)")
         self.tables[seq_id] = BlockTable(blocks=list(blocks), token_ids=list(token_ids), extra_key=extra_key)
         self.mark_computed(seq_id, len(token_ids))
 
@@ -215,11 +244,12 @@ class KVCacheManager:
 
     def free(self, seq_id) -> None:
         """Release every block of the sequence, tail first, and forget its table."""
-        t = self.tables.pop(seq_id, None)
+        t = self.tables.get(seq_id)
         if t is None:
             raise ValueError(f"free of unknown sequence {seq_id!r}")
         alloc = self.host_allocator if t.swapped else self.allocator
         alloc.free_many(t.blocks[::-1])  # type: ignore[union-attr]
+        del self.tables[seq_id]  # only once the blocks are released: a failure keeps the table
 
     # ---- swap ---------------------------------------------------------------------------
     def swap_out(self, seq_id) -> bool:
@@ -276,7 +306,17 @@ class KVCacheManager:
         """
         dev: dict[int, int] = dict(extra_refs or {})
         host: dict[int, int] = {}
-        for t in self.tables.values():
+        B = self.block_size
+        for seq_id, t in self.tables.items():
+            _require(len(t.blocks) == blocks_for(t.num_tokens, B),
+                     f"sequence {seq_id!r}: {len(t.blocks)} blocks for {t.num_tokens} tokens")
+            _require(len(set(t.blocks)) == len(t.blocks), f"sequence {seq_id!r} names a block twice")
+            _require(0 <= t.num_computed <= t.num_tokens,
+                     f"sequence {seq_id!r}: {t.num_computed} computed of {t.num_tokens} tokens")
+            _require(len(t.block_hashes) <= t.num_computed // B,
+                     f"sequence {seq_id!r}: {len(t.block_hashes)} sealed blocks, {t.num_computed} computed")
+            _require(not t.swapped or self.host_allocator is not None,
+                     f"sequence {seq_id!r} is swapped out but there is no host pool")
             counts = host if t.swapped else dev
             for b in t.blocks:
                 counts[b] = counts.get(b, 0) + 1

@@ -9,6 +9,7 @@ This module holds tensors only: it knows nothing of ids, ref counts or requests.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,9 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"KVLayout.{name} must be an integer >= 1, got {v!r}")
         dtype_from_name(self.dtype)
 
     @property
@@ -105,26 +107,51 @@ class KVStorage:
         self.data = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.torch_dtype,
                                 device=self.device, pin_memory=pin_memory and self.device.type == "cpu")
 
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.layout.block_size
+
+    def _check_block(self, block: int, what: str = "block") -> None:
+        # Negative ids would wrap around in torch indexing and touch another block silently.
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"{what} {block} outside 0..{self.num_blocks - 1}")
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided (N, B, H, D) views of one layer's keys and values."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.layout.num_layers - 1}")
         return self.data[:, layer, 0], self.data[:, layer, 1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst inside this pool (copy-on-write)."""
         if not pairs:
             return
+        for s, d in pairs:
+            self._check_block(s, "source block")
+            self._check_block(d, "destination block")
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         self.data[dst] = self.data[src]
 
     def write_slot(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one token's K and V, each (L, H, D), at physical slot block*B + offset."""
+        self._check_slot(slot)
+        want = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:  # no silent broadcast over layers
+            raise ValueError(f"k and v must be (L, H, D) = {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
         b, off = divmod(slot, self.layout.block_size)
         self.data[b, :, 0, off] = k
         self.data[b, :, 1, off] = v
 
     def read_slots(self, slots: list[int]) -> torch.Tensor:
         """Gather tokens at physical slots: returns (T, L, 2, H, D)."""
+        if len(slots) and not 0 <= min(slots) <= max(slots) < self.num_slots:
+            raise ValueError(f"slots must lie in 0..{self.num_slots - 1}, "
+                             f"got min {min(slots)} max {max(slots)}")
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         blocks, offs = idx // self.layout.block_size, idx % self.layout.block_size
         return self.data[blocks, :, :, offs]  # (T, L, 2, H, D)
@@ -133,5 +160,7 @@ class KVStorage:
         """Raw bytes of `count` physically adjacent blocks starting at `block` (CPU pools only)."""
         if self.device.type != "cpu":
             raise ValueError("byte views exist only for CPU pools; stage device blocks first")
+        if count < 1 or not 0 <= block <= self.num_blocks - count:
+            raise ValueError(f"blocks {block}..{block + count - 1} outside 0..{self.num_blocks - 1}")
         chunk = self.data[block:block + count]
         return memoryview(chunk.view(torch.uint8).numpy()).cast("B")
