@@ -33,10 +33,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     nb = -(-meta.max_seq_len // B)
-    tables = meta.block_tables[:, :nb].long()  # (S, nb)
+    flat = meta.block_tables[:, :nb].reshape(-1).long()  # (S * nb,)
     L = nb * B
-    k = k_cache[tables].reshape(S, L, Hkv, D)  # (S, L, Hkv, D)
-    v = v_cache[tables].reshape(S, L, Hkv, D)
+    k = k_cache.index_select(0, flat).view(S, L, Hkv, D)  # (S, L, Hkv, D); index_select beats [] here
+    v = v_cache.index_select(0, flat).view(S, L, Hkv, D)
     Q = meta.max_query_len
     q_lens = torch.tensor(meta.query_lens_host, device=q.device)  # (S,)
     seq_lens = torch.tensor(meta.seq_lens_host, device=q.device)  # (S,)
@@ -48,10 +48,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # query i of sequence s sits at absolute position seq_len - q_len + i and sees keys 0..that
     qpos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # (S, Q)
     mask = torch.arange(L, device=q.device)[None, None, :] <= qpos[:, :, None]  # (S, Q, L)
-    if Hq != Hkv:
-        k = k.repeat_interleave(Hq // Hkv, dim=2)  # (S, L, Hq, D)
-        v = v.repeat_interleave(Hq // Hkv, dim=2)
-    o = F.scaled_dot_product_attention(
+    o = F.scaled_dot_product_attention(  # grouped-query heads share K/V without a copy
         qp.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-        attn_mask=mask[:, None], scale=scale)  # (S, Hq, Q, D)
+        attn_mask=mask[:, None], scale=scale, enable_gqa=Hq != Hkv)  # (S, Hq, Q, D)
     return o.transpose(1, 2)[q_valid].to(q.dtype)  # (T, Hq, D)

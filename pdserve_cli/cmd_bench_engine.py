@@ -15,6 +15,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (medians reported)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for both sides (default 1: steadier on small machines)")
 
@@ -27,5 +28,6 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
 
     bench(num_prompts=args.num_prompts, max_tokens=args.max_tokens, min_prompt=args.min_prompt,
-          max_prompt=args.max_prompt, block_size=args.block_size, seed=args.seed, json_path=args.json)
+          max_prompt=args.max_prompt, block_size=args.block_size, seed=args.seed, repeats=args.repeats,
+          json_path=args.json)
     return 0
