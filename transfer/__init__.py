@@ -1,0 +1,29 @@
+"""KV migration: moving one sequence's paged KV cache from a prefill worker's pool into a decode
+worker's pool, fast and provably intact. A versioned msgpack manifest (`messages`, `codec`,
+bounded by `schema.Limits`) describes the sequence — layout fingerprint, blocks and their prefix
+hashes, payload frames with xxh3 checksums (`checksum`), and the state decode needs to continue —
+and raw payload frames follow, read straight from pool memory (`export`) and written straight
+into blocks the receiver reserved all-or-nothing (`importer`), re-blocked when block sizes
+differ (`reblock`), staged through pinned host buffers for device pools (`staging`), with
+duplicate prefix blocks shared rather than sent (`blocks`), stale epochs refused (`epochs`) and
+sender blocks leased until the ack (`lease`). Two transports follow one contract
+(`transport`): ZeroMQ over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_wire`) and Ray
+(`ray_transport`). Every failure is a typed `errors.TransferError`, counted in `metrics`, and
+leaves the receiver's pool unchanged. `bench`, `bench_peer`, `baselines`, `bench_report` and
+`pools` make up `pdserve bench migrate`.
+
+Entry points for workers: `export_sequence` / `import_sequence` (in process), `ImportSession`
+(driven chunk by chunk), `ZmqSender.migrate` / `ZmqReceiver.poll`, `RaySender.migrate` /
+`RayReceiverEndpoint`.
+"""
+
+from transfer.errors import TransferError
+from transfer.export import ExportConfig, ExportedSequence, export_sequence
+from transfer.importer import ImportResult, ImportSession, import_sequence
+from transfer.messages import PROTOCOL_VERSION, DecodeState, Manifest
+from transfer.schema import Limits
+from transfer.transport import TransportConfig, migrate
+
+__all__ = ["TransferError", "ExportConfig", "ExportedSequence", "export_sequence", "ImportResult",
+           "ImportSession", "import_sequence", "PROTOCOL_VERSION", "DecodeState", "Manifest", "Limits",
+           "TransportConfig", "migrate"]

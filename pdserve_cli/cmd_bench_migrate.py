@@ -1,0 +1,64 @@
+"""`pdserve bench migrate`: KV migration pool -> pool over ZeroMQ (tcp, ipc) and Ray, against
+memcpy, raw TCP, pickle over a pipe and NIXL (when installed); writes JSON and a plot."""
+
+from __future__ import annotations
+
+NAME = "migrate"
+HELP = "benchmark KV migration between pools (zmq-tcp, zmq-ipc, ray) against baselines"
+GROUP = "bench"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="a representative subset (minutes on 2 cores)")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot latency vs tokens and GB/s vs baselines")
+    p.add_argument("--kv-shape", action="append", metavar="SHAPE",
+                   help="tiny | llama3-8b | L,H,D,dtype (repeatable; default: tiny and llama3-8b)")
+    p.add_argument("--tokens", type=_ints, help="comma-separated token counts (e.g. 256,1024,4096)")
+    p.add_argument("--block-sizes", type=_ints, help="comma-separated block sizes (default 16)")
+    p.add_argument("--transports", help="comma-separated: zmq-tcp,zmq-ipc,ray (default all)")
+    p.add_argument("--repeats", type=int, help="timed transfers per point")
+    p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 4)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+
+
+def run(args) -> int:
+    import json
+    from dataclasses import replace
+
+    from transfer.bench import QUICK, BenchConfig, run_bench
+    from transfer.bench_report import format_summary, plot, summarize
+
+    cfg = QUICK if args.quick else BenchConfig()
+    over = {}
+    if args.kv_shape:
+        over["kv_shapes"] = tuple(args.kv_shape)
+    if args.tokens:
+        over["tokens"] = args.tokens
+    if args.block_sizes:
+        over["block_sizes"] = args.block_sizes
+    if args.transports:
+        over["transports"] = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    if args.repeats:
+        over["repeats"] = args.repeats
+    if args.chunk_mib:
+        over["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
+    if args.no_baselines:
+        over["baselines"] = False
+    cfg = replace(cfg, **over)
+    print(f"bench migrate: shapes {cfg.kv_shapes}, tokens {cfg.tokens}, block sizes {cfg.block_sizes}, "
+          f"transports {cfg.transports}, repeats {cfg.repeats}", flush=True)
+    report = run_bench(cfg, log=lambda s: print(s, flush=True))
+    print(format_summary(summarize(report)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot and report["results"]:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(r["verified"] for r in report["results"]) else 1

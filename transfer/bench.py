@@ -1,0 +1,298 @@
+"""`pdserve bench migrate`: pool -> pool KV migration, end to end, against baselines.
+
+Each point fills a sender pool with random non-zero KV for one sequence, then per repeat runs
+export -> wire -> import into a receiver pool that lives in another process (a spawned
+`transfer.bench_peer` for ZeroMQ, a Ray actor for Ray), and checks that the receiver's KV digest
+equals the sender's. Reported per point: p50/p99 latency, GB/s at p50, the export / wire /
+import split (export: building manifest and frames; import: the receiver's validate+reserve and
+commit phases, or the whole actor call for Ray; wire: the rest, which includes the overlapped
+chunk copies and checksums), the manifest's size against the payload, frames and chunks.
+Baselines (memcpy, raw_tcp, pickle_pipe, nixl, and the xxh3 checksum speed) are measured in the
+same run over the same payload sizes, each size right after its transfers (same machine load).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from kvcache.manager import blocks_for
+from kvcache.storage import KVLayout
+from transfer import baselines
+from transfer.checksum import measure_gb_per_s
+from transfer.codec import encode
+from transfer.export import ExportConfig, export_sequence
+from transfer.pools import fill_random_sequence, kv_digest, make_manager, parse_kv_shape
+from transfer.transport import TransportConfig, ipc_address
+from transfer.zmq_wire import DATA
+
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ray")
+PICKLE_MAX_BYTES = 1 << 30  # the pickle baseline holds ~4 copies of the payload at once
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. kv_shapes: presets or 'L,H,D,dtype'; tokens: sequence lengths;
+    repeats: timed transfers per point (after `warmup` untimed ones); chunk_bytes: wire chunk."""
+
+    kv_shapes: tuple[str, ...] = ("tiny", "llama3-8b")
+    tokens: tuple[int, ...] = (256, 1024, 4096, 16384)
+    block_sizes: tuple[int, ...] = (16,)
+    transports: tuple[str, ...] = TRANSPORTS
+    repeats: int = 5
+    warmup: int = 2
+    chunk_bytes: int = 2 << 20
+    baselines: bool = True
+
+
+QUICK = BenchConfig(tokens=(256, 1024, 2048), repeats=4, warmup=2)
+
+
+class PeerProcess:
+    """The receiving process for ZeroMQ points and the raw_tcp baseline, driven over REQ/REP."""
+
+    def __init__(self, timeout: float = 120.0):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-m", "transfer.bench_peer", "--control",
+                                      f"tcp://127.0.0.1:{port}"], env=env)
+        self.timeout = timeout
+        self.call(cmd="ping")
+
+    def call(self, **cmd) -> dict:
+        self.sock.send(msgpack.packb(cmd, use_bin_type=True))
+        deadline = time.monotonic() + self.timeout
+        while not self.sock.poll(200):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bench peer did not answer {cmd.get('cmd')!r} (exit {self.proc.poll()})")
+        reply = msgpack.unpackb(self.sock.recv(), raw=False)
+        if reply.get("error"):
+            raise RuntimeError(f"bench peer: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.call(cmd="quit")
+        except RuntimeError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+class _Receivers:
+    """Receiver endpoints for one (layout, pool size): the peer process and/or a Ray actor."""
+
+    def __init__(self, peer, layout_args: tuple, num_blocks: int, transports, chunk_bytes: int,
+                 ray_store_bytes: int = 0):
+        self.peer, self.senders, self.actor = peer, {}, None
+        fp = KVLayout(*layout_args).fingerprint()
+        if peer is not None and any(t.startswith("zmq") for t in transports):
+            addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks,
+                              address="tcp://127.0.0.1:0", more_addresses=[ipc_address()])["addresses"]
+            from transfer.zmq_sender import ZmqSender
+
+            for name, addr in zip(("zmq-tcp", "zmq-ipc"), addrs):
+                if name in transports:
+                    s = ZmqSender(fp, TransportConfig(address=addr, chunk_bytes=chunk_bytes))
+                    s.connect()
+                    self.senders[name] = s
+        if "ray" in transports:
+            import ray
+
+            from transfer.ray_transport import PoolReceiver, RaySender
+
+            self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
+            s = RaySender(fp, self.actor, TransportConfig(chunk_bytes=chunk_bytes, checksum_mode="manifest"))
+            s.connect(timeout=120)
+            self.senders["ray"] = s
+            _warm_object_store(self.actor, ray_store_bytes)
+
+    def finish(self, transport: str, request_id: str) -> tuple[int | None, dict]:
+        """Digest of the imported sequence on the receiver (then freed there)."""
+        if transport == "ray":
+            import ray
+
+            digest = ray.get(self.actor.digest.remote(request_id), timeout=120)
+            ray.get(self.actor.free.remote(request_id), timeout=120)
+            return digest, {}
+        r = self.peer.call(cmd="result", request_id=request_id)
+        return (r["digest"] if r.get("ok") else None), r.get("timings", {})
+
+    def close(self) -> None:
+        for name, s in self.senders.items():
+            if name.startswith("zmq"):
+                s.close()
+        if self.actor is not None:
+            import ray
+
+            ray.kill(self.actor)
+
+
+def _warm_object_store(actor, store_bytes: int, piece: int = 64 << 20) -> None:
+    """Pass most of the object store through the receiving actor so both processes have mapped
+    every page of it, as they have in a long-running deployment (first-touch page faults
+    otherwise dominate the first transfers, at a fraction of the steady-state speed)."""
+    import ray
+
+    arr = np.ones(piece, dtype=np.uint8)
+    for _ in range(2):  # hold pieces covering most of the store at once, so all of it is touched
+        refs = [ray.put(arr) for _ in range(max(1, int(0.9 * store_bytes) // piece))]
+        ray.get(actor.touch.remote(*refs), timeout=300)
+        del refs
+
+
+def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: int, tag: str) -> dict:
+    sender = recv.senders[transport]
+    mode = "manifest" if transport == "ray" else "inline"
+    ecfg = ExportConfig(chunk_bytes=cfg.chunk_bytes, checksum_mode=mode)
+    lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
+    for r in range(cfg.warmup + cfg.repeats):
+        rid = f"{tag}-{r}"
+        t0 = time.perf_counter()
+        ex = export_sequence(src, "s", rid, 1, config=ecfg)
+        t1 = time.perf_counter()
+        ack = sender.send(ex)
+        t2 = time.perf_counter()
+        got, _ = recv.finish(transport, rid)
+        verified &= got == digest
+        manifest_bytes = len(encode(ex.manifest))
+        if r >= cfg.warmup:
+            lat.append(t2 - t0)
+            exp.append(t1 - t0)
+            tm = ack.timings
+            imp.append((tm.get("receive_ms") or tm.get("prepare_ms", 0) + tm.get("commit_ms", 0)) / 1e3)
+    m = ex.manifest
+    nbytes = m.payload_bytes
+    p50 = _pct(lat, 50)
+    headers = m.num_chunks * (DATA.size + 2) if mode == "inline" else 0
+    return {
+        "latency_ms_p50": p50 * 1e3, "latency_ms_p99": _pct(lat, 99) * 1e3, "gb_per_s": nbytes / p50 / 1e9,
+        "verified": bool(verified), "bytes": nbytes, "export_ms_p50": _pct(exp, 50) * 1e3,
+        "import_ms_p50": _pct(imp, 50) * 1e3,
+        "wire_ms_p50": max(0.0, (p50 - _pct(exp, 50) - _pct(imp, 50)) * 1e3),
+        "manifest_bytes": manifest_bytes, "manifest_ratio": manifest_bytes / nbytes,
+        "control_bytes": manifest_bytes + headers, "frames": len(m.frames), "chunks": m.num_chunks,
+        "blocks": len(m.block_tokens), "checksum_mode": mode, "repeats": cfg.repeats,
+    }
+
+
+def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen, progress,
+                store: int, base) -> list[dict]:
+    """Every (tokens, transport) point of one KV layout; receivers are set up once for it."""
+    B, rows = layout_args[3], []
+    num_blocks = blocks_for(max(cfg.tokens), B) + 2
+    recv = _Receivers(peer, layout_args, num_blocks, cfg.transports, cfg.chunk_bytes, store)
+    try:
+        for T in cfg.tokens:
+            # A fresh sender pool per point: its blocks are contiguous, so the payload is one frame
+            # (the receiver's pool is reused across points and fragments as a real one does).
+            src = make_manager(KVLayout(*layout_args), blocks_for(T, B) + 2)
+            fill_random_sequence(src, "s", T, gen)
+            digest = kv_digest(src, "s")
+            for transport in cfg.transports:
+                row = {"transport": transport, "kv_shape": shape_name, "tokens": T, "block_size": B}
+                row.update(_measure(cfg, recv, transport, src, digest, f"{transport}-{shape_name}-{B}-{T}"))
+                rows.append(row)
+                progress(row)
+            if base is not None:
+                base.measure(rows[-1]["bytes"])
+            src.free("s")
+            src.check_integrity()
+    finally:
+        recv.close()
+    return rows
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    """Run every point and the baselines; returns {"results": [...], "baselines": [...]}."""
+    shapes = [(name, parse_kv_shape(name)) for name in cfg.kv_shapes]
+    unknown = set(cfg.transports) - set(TRANSPORTS)
+    if unknown:
+        raise ValueError(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
+    gen = torch.Generator().manual_seed(1234)
+    total = len(shapes) * len(cfg.block_sizes) * len(cfg.tokens) * len(cfg.transports)
+    count, t_start = [0], time.monotonic()
+
+    def progress(row: dict) -> None:
+        count[0] += 1
+        log(f"[{count[0]}/{total} {time.monotonic() - t_start:5.1f}s] {row['transport']:8s} "
+            f"{row['kv_shape']} T={row['tokens']} B={row['block_size']}: p50 {row['latency_ms_p50']:.2f} ms, "
+            f"p99 {row['latency_ms_p99']:.2f} ms, {row['gb_per_s']:.2f} GB/s, verified={row['verified']}")
+
+    peer = PeerProcess() if any(t.startswith("zmq") for t in cfg.transports) or cfg.baselines else None
+    ray_started, results, store, base = False, [], 0, None
+    try:
+        base = _Baselines(cfg, peer, log) if cfg.baselines else None
+        if "ray" in cfg.transports:
+            import ray
+
+            token_bytes = max(KVLayout(L, H, D, 1, dt).token_bytes for _, (L, H, D, dt) in shapes)
+            largest = token_bytes * (max(cfg.tokens) + max(cfg.block_sizes))
+            store = int(min(max(4 * largest, 256 << 20), 8 << 30))
+            log(f"starting Ray (object store {store >> 20} MiB) ...")
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=store, log_to_driver=False)
+            ray_started = True
+        for shape_name, (L, H, D, dtype) in shapes:
+            for B in cfg.block_sizes:
+                results += _run_layout(cfg, peer, shape_name, (L, H, D, B, dtype), gen, progress, store, base)
+    finally:
+        if base is not None:
+            base.close()
+        if peer is not None:
+            peer.close()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+    return {"results": results, "baselines": base.rows if base is not None else []}
+
+
+class _Baselines:
+    """Measures every baseline once per payload size, right after the transports' points at that
+    size, so both see the same machine conditions."""
+
+    def __init__(self, cfg: BenchConfig, peer: PeerProcess, log):
+        self.cfg, self.peer, self.log, self.rows, self.sizes = cfg, peer, log, [], set()
+        self.rows.append({"name": "xxh3_checksum", "bytes": 64 << 20, "gb_per_s": measure_gb_per_s()})
+        self.pickle = baselines.PicklePipe()
+
+    def measure(self, n: int) -> None:
+        if n in self.sizes:
+            return
+        self.sizes.add(n)
+        reps = max(3, self.cfg.repeats)
+        payload = np.random.default_rng(n).integers(1, 256, size=n, dtype=np.uint8)
+        rows = [{"name": "memcpy", "bytes": n, "gb_per_s": baselines.memcpy(n, reps)},
+                {"name": "raw_tcp", "bytes": n, "gb_per_s": baselines.raw_tcp(
+                    memoryview(payload), lambda k: self.peer.call(cmd="raw_tcp", nbytes=k)["port"], reps)}]
+        if n <= PICKLE_MAX_BYTES:
+            rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": self.pickle.measure(payload, 3)})
+        else:
+            rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": None, "note": "skipped above 1 GiB"})
+        rows.append({"name": "nixl", "bytes": n, **baselines.nixl(n, reps)})
+        self.rows += rows
+        self.log(f"baselines at {n / 2**20:.2f} MiB: " + ", ".join(
+            f"{b['name']} {b['gb_per_s']:.2f} GB/s" if b["gb_per_s"] else f"{b['name']} n/a" for b in rows))
+
+    def close(self) -> None:
+        self.pickle.close()

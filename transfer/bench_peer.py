@@ -1,0 +1,141 @@
+"""The benchmark's receiving process: `python -m transfer.bench_peer --control ADDR`.
+
+It owns its own pool and a `ZmqReceiver`, so every measured transfer crosses a real socket
+between two processes. The benchmark drives it over a REQ/REP control socket with msgpack
+commands (no pickle): `setup` (pool + receiver, returns the bound address), `result` (digest and
+timings of a committed import, then scrub and free it), `raw_tcp` (receive N bytes over a plain
+socket into a preallocated buffer: the raw loopback baseline), `stats`, `quit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvcache.storage import KVLayout
+from transfer.errors import TransferError
+from transfer.metrics import TransferMetrics
+from transfer.pools import kv_digest, make_manager, scrub_blocks
+from transfer.transport import TransportConfig
+from transfer.zmq_receiver import ZmqReceiver
+
+
+class Peer:
+    def __init__(self) -> None:
+        self.rx: ZmqReceiver | None = None
+        self.manager = None
+        self.results: dict[str, object] = {}
+        self.errors: list[str] = []
+        self.metrics = TransferMetrics()
+
+    def setup(self, cmd: dict) -> dict:
+        if self.rx is not None:
+            self.rx.close()
+        self.results.clear()
+        self.manager = make_manager(KVLayout(*cmd["layout"]), cmd["num_blocks"], prefix_caching=False,
+                                    prefault=True)
+        cfg = TransportConfig(address=cmd["address"], rcvhwm=cmd.get("rcvhwm", 32),
+                              socket_buffer_bytes=cmd.get("socket_buffer_bytes", 4 << 20),
+                              idle_timeout_s=cmd.get("idle_timeout_s", 30.0))
+        self.rx = ZmqReceiver(self.manager, cfg, metrics=self.metrics)
+        return {"addresses": [self.rx.address] + [self.rx.bind(a) for a in cmd.get("more_addresses", [])]}
+
+    def result(self, cmd: dict) -> dict:
+        rid, deadline = cmd["request_id"], time.monotonic() + cmd.get("timeout", 30.0)
+        while rid not in self.results and time.monotonic() < deadline:
+            self.serve(0.01)
+        res = self.results.pop(rid, None)
+        if res is None:
+            return {"ok": False, "errors": self.errors[-3:]}
+        out = {"ok": True, "digest": kv_digest(self.manager, res.seq_id), "timings": res.timings,
+               "new_blocks": res.new_blocks}
+        scrub_blocks(self.manager, res.table.blocks)
+        self.manager.free(res.seq_id)
+        return out
+
+    def serve(self, timeout: float) -> None:
+        if self.rx is None:
+            time.sleep(timeout)
+            return
+        try:
+            res = self.rx.poll(timeout)
+        except TransferError as e:
+            self.errors.append(f"{type(e).__name__}: {e}")
+            return
+        if res is not None:
+            self.results[res.request_id] = res
+
+    def stats(self) -> dict:
+        if self.manager is not None:
+            self.manager.check_integrity()
+        return {"metrics": self.metrics.snapshot(), "errors": self.errors[-5:]}
+
+
+def raw_tcp_sink(nbytes: int) -> dict:
+    """Listen, then (in a thread) receive `nbytes` into a pre-touched buffer and reply one byte."""
+    buf = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults inside the measurement
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(60)
+
+    def run():
+        try:
+            conn, _ = srv.accept()
+            conn.settimeout(60)
+            mv, got = memoryview(buf), 0
+            while got < nbytes:
+                n = conn.recv_into(mv[got:], min(nbytes - got, 16 << 20))
+                if n == 0:
+                    break
+                got += n
+            conn.sendall(b"k")
+            conn.close()
+        finally:
+            srv.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return {"port": srv.getsockname()[1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--control", required=True)
+    args = ap.parse_args()
+    ctx = zmq.Context()
+    ctl = ctx.socket(zmq.REP)
+    ctl.setsockopt(zmq.LINGER, 0)
+    ctl.connect(args.control)
+    peer = Peer()
+    last_contact = time.monotonic()
+    while time.monotonic() - last_contact < 600:  # the benchmark vanished: exit on our own
+        if not ctl.poll(0):
+            peer.serve(0.01)
+            continue
+        last_contact = time.monotonic()
+        cmd = msgpack.unpackb(ctl.recv(), raw=False)
+        try:
+            name = cmd["cmd"]
+            if name == "quit":
+                ctl.send(msgpack.packb({"ok": True}))
+                break
+            handlers = {"setup": peer.setup, "result": peer.result, "stats": lambda c: peer.stats(),
+                        "raw_tcp": lambda c: raw_tcp_sink(c["nbytes"]), "ping": lambda c: {"ok": True}}
+            reply = handlers[name](cmd)
+        except Exception as e:  # report to the benchmark instead of dying silently
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        ctl.send(msgpack.packb(reply, use_bin_type=True))
+    if peer.rx is not None:
+        peer.rx.close()
+    ctl.close(0)
+    ctx.term()
+
+
+if __name__ == "__main__":
+    main()

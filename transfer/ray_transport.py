@@ -1,0 +1,223 @@
+"""Ray transport: payload frames travel through Ray's object store, control through actor calls.
+Implements the contract in `transfer.transport`.
+
+Sender side (`RaySender`): each frame, a numpy view over pool memory (or over a staging buffer
+for device pools), is an argument of one actor call beside the msgpack manifest; Ray copies it
+once into the object store (frames under 100 KiB travel inline with the call). Receiver side
+(`RayReceiverEndpoint`, a plain object living inside the decode worker's actor): Ray hands the
+frames over as read-only numpy arrays mapped from shared memory (zero-copy), which
+`import_sequence` copies once into the reserved blocks. Our own messages cross as msgpack
+bytes; Ray serializes the call itself. The receiving actor exposes `kv_hello(conn, bytes)`,
+`kv_query(bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes;
+`PoolReceiver` is such an actor body with its own pool (used by the benchmark and tests).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+
+from transfer.blocks import prefix_hashes_at
+from transfer.codec import decode, encode
+from transfer.epochs import EpochGuard
+from transfer.errors import (
+    HandshakeRequired,
+    MalformedMessage,
+    TransferError,
+    TransferTimeout,
+    error_from_code,
+)
+from transfer.export import ExportedSequence
+from transfer.importer import import_sequence
+from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
+from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.reblock import CompatPlan, check_compatible
+from transfer.transport import TransportConfig, migrate
+
+
+class RayReceiverEndpoint:
+    """Decode side. Call its methods from the actor that owns `manager` (one thread)."""
+
+    def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
+                 metrics: TransferMetrics | None = None, stage: bool = False):
+        self.manager, self.config, self.stage = manager, config or TransportConfig(), stage
+        self.epochs = epochs if epochs is not None else EpochGuard()
+        self.metrics = metrics or DEFAULT_METRICS
+        self.fingerprint = manager.storage.layout.fingerprint()
+        self.plans: dict[str, CompatPlan] = {}
+        self.last_result = None
+
+    def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
+        if not counted:
+            self.metrics.record_error(err)
+        return encode(Nack(request_id, epoch, err.code, str(err)))
+
+    def kv_hello(self, conn: str, data: bytes) -> bytes:
+        try:
+            hello = decode(data, self.config.limits, Hello)
+            plan = check_compatible(hello.fingerprint, self.fingerprint)
+        except TransferError as e:
+            return self._nack(e)
+        if len(self.plans) >= 4096:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[str(conn)] = plan
+        return encode(HelloReply(self.fingerprint, self.config.peer_name))
+
+    def kv_query(self, data: bytes) -> bytes:
+        try:
+            q = decode(data, self.config.limits, Query)
+            if q.block_size != self.manager.block_size:
+                raise MalformedMessage(f"query in blocks of {q.block_size}, not {self.manager.block_size}")
+        except TransferError as e:
+            return self._nack(e)
+        lookup = self.manager.allocator.lookup
+        return encode(Held(q.request_id, tuple(i for i, h in enumerate(q.hashes) if lookup(h) is not None)))
+
+    def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
+        t0 = time.perf_counter()
+        try:
+            m = decode(manifest, self.config.limits, Manifest)
+        except TransferError as e:
+            return self._nack(e)
+        plan = self.plans.get(str(conn))
+        if plan is None:
+            err = HandshakeRequired("transfer on a connection without a handshake")
+            return self._nack(err, m.request_id, m.epoch)
+        try:
+            res = import_sequence(self.manager, m, list(frames), plan, epochs=self.epochs,
+                                  metrics=self.metrics, stage=self.stage)
+        except TransferError as e:
+            return self._nack(e, m.request_id, m.epoch, counted=True)
+        res.timings["receive_ms"] = (time.perf_counter() - t0) * 1e3
+        self.last_result = res
+        return encode(Ack(res.request_id, res.epoch, res.new_blocks, res.reused_blocks, res.nbytes,
+                          res.timings))
+
+
+class RaySender:
+    """Prefill side: one connection to a receiving actor (any actor exposing the kv_* methods)."""
+
+    def __init__(self, fingerprint: dict, actor, config: TransportConfig | None = None, *,
+                 metrics: TransferMetrics | None = None):
+        self.fingerprint, self.actor = dict(fingerprint), actor
+        self.config = config or TransportConfig(checksum_mode="manifest")
+        self.metrics = metrics or DEFAULT_METRICS
+        self.conn = uuid.uuid4().hex
+        self.plan: CompatPlan | None = None
+
+    def _get(self, ref, timeout: float, what: str):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            err = TransferTimeout(f"no {what} from the receiving actor within {timeout}s")
+        except ray.exceptions.RayError as e:  # the actor died or raised
+            err = TransferTimeout(f"receiving actor failed during {what}: {type(e).__name__}")
+        self.metrics.record_error(err)
+        raise err
+
+    def _reply(self, data: bytes, cls):
+        try:
+            msg = decode(data, self.config.limits, (cls, Nack))
+        except TransferError as e:
+            self.metrics.record_error(e)
+            raise
+        if isinstance(msg, Nack):
+            err = error_from_code(msg.code, msg.message)
+            self.metrics.record_error(err)
+            raise err
+        return msg
+
+    def connect(self, timeout: float | None = None) -> CompatPlan:
+        hello = encode(Hello(self.fingerprint, self.config.peer_name))
+        data = self._get(self.actor.kv_hello.remote(self.conn, hello),
+                         timeout or self.config.connect_timeout_s, "handshake reply")
+        reply = self._reply(data, HelloReply)
+        try:
+            self.plan = check_compatible(self.fingerprint, reply.fingerprint)
+        except TransferError as e:
+            self.metrics.record_error(e)
+            raise
+        return self.plan
+
+    def query(self, request_id: str, token_ids, extra_key: str | None = None,
+              timeout: float | None = None) -> list[int]:
+        plan = self.plan or self.connect(timeout)
+        hashes = prefix_hashes_at(token_ids, plan.dst_block_size, extra_key)
+        if not hashes:
+            return []
+        q = encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))
+        held = self._reply(self._get(self.actor.kv_query.remote(q), timeout or self.config.connect_timeout_s,
+                                     "dedupe reply"), Held).held
+        if any(not 0 <= i < len(hashes) for i in held):
+            err = MalformedMessage("dedupe reply names blocks outside the query")
+            self.metrics.record_error(err)
+            raise err
+        return sorted(set(held))
+
+    def send(self, exported: ExportedSequence, timeout: float | None = None) -> Ack:
+        """Call the receiver with the manifest and frames; wait (bounded) for its answer."""
+        if self.plan is None:
+            self.connect()
+        m = exported.manifest
+        if exported.frames is None:
+            raise ValueError("the Ray transport needs host frames: export with checksum_mode='manifest'")
+        # Ray copies each frame into its object store when the call is submitted (small ones travel
+        # inline with the call); the receiver reads them zero-copy from shared memory.
+        call = self.actor.kv_receive.remote(self.conn, encode(m),
+                                            *(np.frombuffer(f, dtype=np.uint8) for f in exported.frames))
+        data = self._get(call, timeout or self.config.transfer_timeout_s, "ack")  # timeout: lease kept
+        try:
+            ack = self._reply(data, Ack)
+        finally:
+            exported.release()
+        self.metrics.add("transfers")
+        self.metrics.add("bytes_sent", m.payload_bytes)
+        return ack
+
+    def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
+                leases=None, timeout: float | None = None) -> Ack:
+        """Dedupe query, export (checksums in the manifest), send; see `transport.migrate`."""
+        return migrate(self, manager, seq_id, request_id, epoch, state, dedupe=dedupe, leases=leases,
+                       timeout=timeout, checksum_mode="manifest")
+
+
+class PoolReceiver(RayReceiverEndpoint):
+    """Actor body with its own synthetic pool: `ray.remote(PoolReceiver).remote(...)`."""
+
+    def __init__(self, layout_args: tuple, num_blocks: int, config: TransportConfig | None = None,
+                 prefault: bool = False):
+        from kvcache.storage import KVLayout
+        from transfer.pools import make_manager
+
+        manager = make_manager(KVLayout(*layout_args), num_blocks, prefault=prefault)
+        super().__init__(manager, config, metrics=TransferMetrics())
+
+    def digest(self, seq_id) -> int:
+        from transfer.pools import kv_digest
+
+        return kv_digest(self.manager, seq_id)
+
+    def free(self, seq_id, scrub: bool = True) -> None:
+        from transfer.pools import scrub_blocks
+
+        if scrub:
+            scrub_blocks(self.manager, [b for b in self.manager.table(seq_id).blocks
+                                        if self.manager.allocator.ref_count(b) == 1])
+        self.manager.free(seq_id)
+
+    def touch(self, *arrays) -> int:
+        """Read one byte per page of each array (warms the object store mappings in this process)."""
+        return int(sum(int(a[::4096].sum()) for a in arrays))
+
+    def stats(self) -> dict:
+        self.manager.check_integrity()
+        a = self.manager.allocator
+        return {"free": a.num_free, "cached": a.num_cached, "used": a.num_used,
+                "tables": len(self.manager.tables),
+                "metrics": self.metrics.snapshot(),
+                "timings": dict(self.last_result.timings) if self.last_result else {}}

@@ -1,0 +1,112 @@
+"""The transport contract both transports (`zmq_transport`, `ray_transport`) implement, and the
+frozen config they read their addresses and timeouts from.
+
+Duck-typed contract (no base class; both are small and concrete):
+
+Sender (prefill side, one per connection to a receiver):
+  connect(timeout=None) -> CompatPlan      handshake: layouts compared once per connection
+  query(request_id, token_ids, extra_key=None, timeout=None) -> list[int]
+                                           dedupe: receiver blocks it already holds
+  send(exported, timeout=None) -> Ack      stream manifest + payload, wait for the ack; on ack or
+                                           nack release the export's lease; raise the typed error
+  migrate(manager, seq_id, request_id, epoch, state, dedupe=True, leases=None) -> Ack
+                                           query + export + send, one retry on a dedupe miss
+  close()
+Receiver (decode side):
+  poll(timeout) -> ImportResult | None     serve handshakes/queries; return the next committed
+                                           import, raise the typed error of a failed one (already
+                                           nacked, counted, and its reservation released), or
+                                           None when `timeout` passes with nothing committed
+  close()
+Every wait is bounded by a timeout from `TransportConfig`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+from transfer.schema import Limits
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Addresses, sizes and timeouts of one migration endpoint.
+
+    address: where the receiver binds and senders connect: "tcp://HOST:PORT" (port 0 picks a
+      free port; the receiver reports the bound address) or "ipc:///path/to/socket".
+    chunk_bytes: payload chunk size on the wire (the unit of zero-copy sends and checksums).
+    checksum_mode: "inline" (hash each chunk while streaming) or "manifest" (hash before sending).
+    io_threads: ZeroMQ I/O threads per endpoint.
+    rcvhwm: chunks the receiver's socket queues before TCP backpressure applies.
+    socket_buffer_bytes: kernel send/receive buffer of each socket (0: the OS default, autotuned;
+      the kernel caps it at net.core.wmem_max / rmem_max).
+    connect_timeout_s: handshake and dedupe query wait.
+    transfer_timeout_s: the sender's wait from the first byte to the ack.
+    idle_timeout_s: the receiver's longest silence inside one transfer before abandoning it.
+    lease_s: how long a sender keeps exported blocks referenced without an ack.
+    peer_name: this endpoint's name in handshakes (diagnostics).
+    limits: bounds on what a peer may claim.
+    """
+
+    address: str = "tcp://127.0.0.1:0"
+    chunk_bytes: int = 2 << 20
+    checksum_mode: str = "inline"
+    io_threads: int = 1
+    rcvhwm: int = 32
+    socket_buffer_bytes: int = 4 << 20
+    connect_timeout_s: float = 10.0
+    transfer_timeout_s: float = 60.0
+    idle_timeout_s: float = 10.0
+    lease_s: float = 60.0
+    peer_name: str = ""
+    limits: Limits = field(default_factory=Limits)
+
+
+def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def ipc_address(name: str | None = None, directory: str | None = None) -> str:
+    """A fresh ipc:// endpoint path (socket paths must stay short: under ~100 characters)."""
+    directory = directory or tempfile.gettempdir()
+    return "ipc://" + os.path.join(directory, f"pdserve-kv-{name or uuid.uuid4().hex[:12]}.sock")
+
+
+def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
+            leases=None, timeout: float | None = None, checksum_mode: str = "inline"):
+    """Shared body of `Sender.migrate`: dedupe query (when asked), export, send.
+
+    Resends once in full after a DedupeMiss (a held block was evicted meanwhile) and once after
+    HandshakeRequired (the receiver restarted). Exports are added to `leases` (a LeaseTable)
+    when given, so an unacknowledged one is released when its lease expires.
+    """
+    from transfer.errors import DedupeMiss, HandshakeRequired
+    from transfer.export import ExportConfig, export_sequence
+
+    plan = sender.plan or sender.connect()
+    reuse: list[int] = []
+    if dedupe:
+        t = manager.table(seq_id)
+        reuse = sender.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
+    c = sender.config
+    cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=checksum_mode, lease_s=c.lease_s)
+    for attempt in range(2):
+        ex = export_sequence(manager, seq_id, request_id, epoch, state, reuse=reuse,
+                             reuse_block_size=plan.dst_block_size if reuse else 0, config=cfg,
+                             limits=c.limits)
+        if leases is not None:
+            leases.add(ex)
+        try:
+            return sender.send(ex, timeout)
+        except DedupeMiss:
+            if attempt or not reuse:
+                raise
+            reuse = []
+        except HandshakeRequired:
+            if attempt:
+                raise
+            plan = sender.connect()
+    raise AssertionError("unreachable")

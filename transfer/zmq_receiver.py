@@ -1,0 +1,280 @@
+"""ZeroMQ receiver (decode side): a ROUTER socket serving handshakes, dedupe queries and
+imports into one pool; the wire format is described in `transfer.zmq_wire`. Chunks land in the
+reserved blocks with `recv_into` while ZeroMQ's I/O thread already reads the next one. A failed
+transfer is aborted (reservation released), nacked, counted, and its error raised from `poll`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections import OrderedDict
+
+import zmq
+
+from transfer.codec import decode, encode
+from transfer.epochs import EpochGuard
+from transfer.errors import (
+    FrameCountError,
+    HandshakeRequired,
+    MalformedMessage,
+    TransferError,
+    TransferTimeout,
+)
+from transfer.importer import ImportResult, ImportSession
+from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
+from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.reblock import CompatPlan, check_compatible
+from transfer.transport import TransportConfig
+from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
+
+
+class _Peer:
+    def __init__(self) -> None:
+        self.plan: CompatPlan | None = None
+        self.session: ImportSession | None = None
+        self.token = -1
+        self.t0 = 0.0
+
+
+class ZmqReceiver:
+    """Decode side: serves handshakes, dedupe queries and imports into `manager`'s pool."""
+
+    def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
+                 metrics: TransferMetrics | None = None, stage: bool = False):
+        config = config or TransportConfig()
+        self.manager, self.config, self.stage = manager, config, stage
+        self.epochs = epochs if epochs is not None else EpochGuard()
+        self.metrics = metrics or DEFAULT_METRICS
+        self.ctx = zmq.Context(io_threads=config.io_threads)
+        s = self.sock = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, config.rcvhwm)
+        if config.socket_buffer_bytes:
+            s.setsockopt(zmq.RCVBUF, config.socket_buffer_bytes)
+            s.setsockopt(zmq.SNDBUF, config.socket_buffer_bytes)
+        lim = config.limits
+        s.setsockopt(zmq.MAXMSGSIZE, max(lim.max_chunk_bytes, lim.max_message_bytes) + 64)
+        s.bind(bind_address(config.address))
+        self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bound = [self.address]
+        self.peers: OrderedDict[bytes, _Peer] = OrderedDict()
+        self.fingerprint = manager.storage.layout.fingerprint()
+
+    # ---- public -----------------------------------------------------------------------------
+    def bind(self, address: str) -> str:
+        """Also accept connections at another endpoint (e.g. ipc:// beside tcp://); returns it."""
+        self.sock.bind(bind_address(address))
+        self._bound.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        return self._bound[-1]
+
+    def poll(self, timeout: float) -> ImportResult | None:
+        """Serve until an import commits (returned), one fails (its error raised), or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._expire()
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            wait = deadline - now
+            idle = [p.session.last_activity + self.config.idle_timeout_s - now
+                    for p in self.peers.values() if p.session is not None]
+            if idle:
+                wait = min(wait, max(0.0, min(idle)))
+            if self.sock.poll(math.ceil(wait * 1000)):
+                result = self._handle()
+                if result is not None:
+                    return result
+
+    def close(self) -> None:
+        for ident in list(self.peers):
+            p = self.peers[ident]
+            if p.session is not None:
+                p.session.abort()
+                p.session = None
+        self.sock.close(0)
+        self.ctx.term()
+        for endpoint in self._bound:  # ZeroMQ leaves ipc:// socket files behind
+            if endpoint.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint[len("ipc://"):])
+
+    # ---- message handling -------------------------------------------------------------------
+    def _more(self) -> bool:
+        return bool(self.sock.getsockopt(zmq.RCVMORE))
+
+    def _drain(self) -> int:
+        n = 0
+        while self._more():
+            self.sock.recv(copy=False)
+            n += 1
+        return n
+
+    def _peer(self, ident: bytes) -> _Peer:
+        p = self.peers.get(ident)
+        if p is None:
+            if len(self.peers) >= MAX_PEERS:
+                for k, old in list(self.peers.items()):
+                    if old.session is None:
+                        del self.peers[k]
+                        break
+            p = self.peers[ident] = _Peer()
+        return p
+
+    def _send(self, ident: bytes, header: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([ident, header, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.metrics.add("replies_dropped")
+
+    def _fail(self, ident: bytes, peer: _Peer, err: TransferError, counted: bool = False):
+        """Abort the peer's transfer (if any), nack it, count the error once, and raise it."""
+        s, peer.session = peer.session, None
+        if s is not None:
+            s.abort(err)  # counts unless the session already counted a failure
+            nack = Nack(s.m.request_id, s.m.epoch, err.code, str(err))
+            self._send(ident, TOKEN.pack(b"A", peer.token), nack)
+        elif not counted:
+            self.metrics.record_error(err)
+        raise err
+
+    def _refuse(self, ident: bytes, header: bytes, err: TransferError, counted: bool = False):
+        if not counted:
+            self.metrics.record_error(err)
+        self._send(ident, header, Nack("", 0, err.code, str(err)))
+        raise err
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for ident, p in list(self.peers.items()):
+            if p.session is not None and now - p.session.last_activity > self.config.idle_timeout_s:
+                self._fail(ident, p, TransferTimeout(
+                    f"request {p.session.m.request_id!r}: sender silent for {self.config.idle_timeout_s}s"))
+
+    def _handle(self) -> ImportResult | None:
+        sock = self.sock
+        ident = sock.recv()
+        if not self._more():
+            return None
+        frame = sock.recv(copy=False)
+        peer = self._peer(ident)
+        if len(frame) > 64:
+            self._drain()
+            return self._garbled(ident, peer, MalformedMessage(f"header of {len(frame)} bytes"))
+        header = frame.bytes
+        if not self._more():
+            return self._garbled(ident, peer, MalformedMessage("message without a body"))
+        kind = header[:1]
+        if kind == b"D":
+            if len(header) != DATA.size:
+                self._drain()
+                return self._garbled(ident, peer, MalformedMessage("bad data header"))
+            _, token, f, c, cs = DATA.unpack(header)
+            if peer.session is None or token != peer.token:
+                self._drain()
+                self.metrics.add("stray_chunks")
+                return None
+            return self._chunk(ident, peer, f, c, cs)
+        body = sock.recv(copy=False).buffer
+        if self._drain():
+            return self._garbled(ident, peer, MalformedMessage("message with extra parts"))
+        if kind == b"H" and len(header) == 1:
+            return self._hello(ident, peer, body)
+        if kind == b"Q" and len(header) == 1:
+            return self._query(ident, body)
+        if kind in (b"M", b"E") and len(header) == TOKEN.size:
+            token = TOKEN.unpack(header)[1]
+            return self._manifest(ident, peer, token, body) if kind == b"M" else self._end(ident, peer, token)
+        return self._garbled(ident, peer, MalformedMessage(f"unknown message header {bytes(header[:16])!r}"))
+
+    def _garbled(self, ident: bytes, peer: _Peer, err: TransferError):
+        if peer.session is not None:
+            return self._fail(ident, peer, err)
+        return self._refuse(ident, b"N", err)
+
+    def _hello(self, ident: bytes, peer: _Peer, body) -> None:
+        try:
+            hello = decode(body, self.config.limits, Hello)
+            peer.plan = check_compatible(hello.fingerprint, self.fingerprint)
+        except TransferError as e:
+            peer.plan = None
+            self._refuse(ident, b"h", e)
+        self._send(ident, b"h", HelloReply(self.fingerprint, self.config.peer_name))
+        return None
+
+    def _query(self, ident: bytes, body) -> None:
+        try:
+            q = decode(body, self.config.limits, Query)
+            if q.block_size != self.manager.block_size:
+                raise MalformedMessage(f"query in blocks of {q.block_size}, not {self.manager.block_size}")
+        except TransferError as e:
+            self._refuse(ident, b"q", e)
+        lookup = self.manager.allocator.lookup
+        held = tuple(i for i, h in enumerate(q.hashes) if lookup(h) is not None)
+        self._send(ident, b"q", Held(q.request_id, held))
+        return None
+
+    def _manifest(self, ident: bytes, peer: _Peer, token: int, body) -> None:
+        header = TOKEN.pack(b"A", token)
+        if peer.session is not None:  # the previous transfer never ended: abandon it, keep serving
+            try:
+                self._fail(ident, peer, FrameCountError("new manifest before the previous transfer ended"))
+            except TransferError:
+                pass
+        try:
+            m = decode(body, self.config.limits, Manifest)
+        except TransferError as e:
+            return self._refuse(ident, header, e)
+        if peer.plan is None:
+            return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
+        try:
+            session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
+                                    stage=self.stage)
+        except TransferError as e:
+            self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
+            raise
+        peer.session, peer.token, peer.t0 = session, token, time.perf_counter()
+        return None
+
+    def _chunk(self, ident: bytes, peer: _Peer, f: int, c: int, cs: int) -> None:
+        s, sock = peer.session, self.sock
+        try:
+            bufs = s.chunk_buffers(f, c)
+        except TransferError as e:
+            self._drain()
+            return self._fail(ident, peer, e)
+        if len(bufs) == 1:
+            n = sock.recv_into(bufs[0])
+        else:
+            buf = sock.recv(copy=False).buffer
+            n = buf.nbytes
+            if n == sum(b.nbytes for b in bufs):
+                pos = 0
+                for b in bufs:
+                    b[:] = buf[pos:pos + b.nbytes]
+                    pos += b.nbytes
+        if self._drain():
+            return self._fail(ident, peer, MalformedMessage("data message with extra parts"))
+        try:
+            s.chunk_done(f, c, n, bufs, cs)
+        except TransferError as e:
+            return self._fail(ident, peer, e)
+        return None
+
+    def _end(self, ident: bytes, peer: _Peer, token: int) -> ImportResult | None:
+        s = peer.session
+        if s is None or token != peer.token:
+            self.metrics.add("stray_ends")
+            return None
+        s.timings["recv_ms"] = (time.perf_counter() - peer.t0) * 1e3
+        try:
+            result = s.commit()
+        except TransferError as e:
+            return self._fail(ident, peer, e)
+        peer.session = None
+        self._send(ident, TOKEN.pack(b"A", token), Ack(result.request_id, result.epoch, result.new_blocks,
+                                                        result.reused_blocks, result.nbytes, result.timings))
+        return result
+

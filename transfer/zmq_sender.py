@@ -1,0 +1,167 @@
+"""ZeroMQ sender (prefill side): a DEALER socket connected to one receiver; the wire format is in
+`transfer.zmq_wire`. `connect` does the once-per-connection handshake, `query` the dedupe
+question, `send` streams one export (each chunk hashed, then sent zero-copy from pool memory or
+a staging slot) and waits for the ack, and `migrate` strings them together. Every wait is a
+bounded poll. On an ack or nack the export's lease is released; on a timeout the connection is
+reset and the lease is left to expire (the receiver may or may not have committed).
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from transfer.blocks import prefix_hashes_at
+from transfer.checksum import checksum
+from transfer.codec import decode, encode
+from transfer.errors import MalformedMessage, TransferError, TransferTimeout
+from transfer.errors import error_from_code as _remote
+from transfer.export import ExportedSequence
+from transfer.messages import Ack, Held, Hello, HelloReply, Nack, Query
+from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.reblock import CompatPlan, check_compatible
+from transfer.transport import TransportConfig, migrate
+from transfer.zmq_wire import DATA, TOKEN
+
+
+class ZmqSender:
+    """One connection from a prefill worker (layout `fingerprint`) to a receiver at config.address."""
+
+    def __init__(self, fingerprint: dict, config: TransportConfig | None = None, *,
+                 metrics: TransferMetrics | None = None):
+        self.fingerprint, self.config = dict(fingerprint), config or TransportConfig()
+        self.metrics = metrics or DEFAULT_METRICS
+        self.ctx = zmq.Context(io_threads=self.config.io_threads)
+        self.sock = None
+        self.plan: CompatPlan | None = None
+        self._token = 0
+        self._open()
+
+    def _open(self) -> None:
+        s = self.sock = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)  # chunks are zero-copy references: queueing them costs no memory
+        s.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)  # replies are small
+        if self.config.socket_buffer_bytes:
+            s.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
+            s.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
+        s.connect(self.config.address)
+        self.plan = None
+
+    def _reset(self) -> None:
+        self.sock.close(0)
+        self._open()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    # ---- waiting ------------------------------------------------------------------------------
+    def _recv_reply(self, headers: tuple[bytes, ...]):
+        """One queued reply if it is one of `headers` (or a garbled-message nack), else None."""
+        parts = self.sock.recv_multipart()
+        if len(parts) == 2 and (parts[0] in headers or parts[0] == b"N"):
+            return parts
+        self.metrics.add("stray_replies")
+        return None
+
+    def _wait(self, headers: tuple[bytes, ...], deadline: float, what: str):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                err = TransferTimeout(f"no {what} from {self.config.address} within the timeout")
+                self.metrics.record_error(err)
+                self._reset()
+                raise err
+            got = self._recv_reply(headers)
+            if got is not None:
+                return got
+
+    def _decode_reply(self, body: bytes, cls):
+        try:
+            msg = decode(body, self.config.limits, (cls, Nack))
+        except TransferError as e:
+            self.metrics.record_error(e)
+            raise
+        if isinstance(msg, Nack):
+            err = _remote(msg.code, msg.message)
+            self.metrics.record_error(err)
+            raise err
+        return msg
+
+    # ---- contract -----------------------------------------------------------------------------
+    def connect(self, timeout: float | None = None) -> CompatPlan:
+        """Handshake: exchange layout fingerprints once; FingerprintMismatch if incompatible."""
+        deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
+        self.sock.send_multipart([b"H", encode(Hello(self.fingerprint, self.config.peer_name))])
+        _, body = self._wait((b"h",), deadline, "handshake reply")
+        reply = self._decode_reply(body, HelloReply)
+        try:
+            self.plan = check_compatible(self.fingerprint, reply.fingerprint)
+        except TransferError as e:
+            self.metrics.record_error(e)
+            raise
+        return self.plan
+
+    def query(self, request_id: str, token_ids, extra_key: str | None = None,
+              timeout: float | None = None) -> list[int]:
+        """Receiver logical blocks (its block size) of this prefix that it already holds."""
+        plan = self.plan or self.connect(timeout)
+        hashes = prefix_hashes_at(token_ids, plan.dst_block_size, extra_key)
+        if not hashes:
+            return []
+        deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
+        self.sock.send_multipart([b"Q", encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))])
+        _, body = self._wait((b"q",), deadline, "dedupe reply")
+        held = self._decode_reply(body, Held).held
+        if any(not 0 <= i < len(hashes) for i in held):
+            err = MalformedMessage("dedupe reply names blocks outside the query")
+            self.metrics.record_error(err)
+            raise err
+        return sorted(set(held))
+
+    def send(self, exported: ExportedSequence, timeout: float | None = None) -> Ack:
+        """Stream one export and wait for its ack; raises the receiver's typed error on a nack."""
+        if self.plan is None:
+            self.connect()
+        m = exported.manifest
+        self._token += 1
+        token, ack_header = self._token, TOKEN.pack(b"A", self._token)
+        deadline = time.monotonic() + (timeout or self.config.transfer_timeout_s)
+        sock, inline, reply = self.sock, m.checksum_mode == "inline", None
+        try:
+            sock.send_multipart([TOKEN.pack(b"M", token), encode(m)])
+            for f, c, view, slot in exported.chunks():
+                cs = checksum(view) if inline else 0
+                tracker = sock.send_multipart([DATA.pack(b"D", token, f, c, cs), view], copy=False,
+                                              track=slot is not None)
+                if slot is not None:
+                    slot.tracker = tracker
+                if sock.poll(0):  # an early nack (the receiver gave up): stop streaming
+                    reply = self._recv_reply((ack_header,))
+                    if reply is not None:
+                        break
+                if time.monotonic() > deadline:
+                    break
+            else:
+                sock.send_multipart([TOKEN.pack(b"E", token), b""])
+        except TransferError as e:  # e.g. a staging slot the transport never released
+            self.metrics.record_error(e)
+            self._reset()
+            raise
+        if reply is None:
+            reply = self._wait((ack_header,), deadline, "ack")
+        try:
+            ack = self._decode_reply(reply[1], Ack)
+        finally:
+            exported.release()  # the receiver answered: it no longer reads our blocks
+        self.metrics.add("transfers")
+        self.metrics.add("bytes_sent", m.payload_bytes)
+        return ack
+
+    def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
+                leases=None, timeout: float | None = None) -> Ack:
+        """Dedupe query, export, send; see `transport.migrate`."""
+        return migrate(self, manager, seq_id, request_id, epoch, state, dedupe=dedupe, leases=leases,
+                       timeout=timeout, checksum_mode=self.config.checksum_mode)

@@ -1,0 +1,29 @@
+"""ZeroMQ wire format of KV migration (shared by `zmq_sender` and `zmq_receiver`).
+
+The decode side binds a ROUTER, each prefill side connects a DEALER. Every message is two
+parts, [header, body] (the ROUTER adds the peer identity in front):
+  H / h     hello / reply (msgpack Hello; HelloReply or Nack)
+  Q / q     dedupe query / reply (Query; Held or Nack)
+  M+token   manifest (msgpack Manifest)
+  D+token+frame+chunk+xxh3   one payload chunk: raw bytes, sent zero-copy from pool memory
+  E+token   end of payload (empty body)
+  A+token   ack or nack of a transfer (msgpack Ack or Nack)
+  N         nack of a garbled message
+Chunks are separate messages rather than one multipart message (ZeroMQ delivers a multipart
+message only once all of it has arrived), so the receiver copies chunk i into place while the
+I/O thread reads chunk i+1. The token (a per-connection counter) tells a late chunk of an
+abandoned transfer from one of the current transfer.
+"""
+
+from __future__ import annotations
+
+import struct
+
+DATA = struct.Struct("<cQIIQ")  # b"D", token, frame, chunk, checksum
+TOKEN = struct.Struct("<cQ")    # b"M" / b"E" / b"A", token
+MAX_PEERS = 4096                # receiver-side connection states kept
+
+
+def bind_address(address: str) -> str:
+    """tcp://host:0 -> tcp://host:* (ZeroMQ's any-free-port form); other addresses unchanged."""
+    return address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") else address
