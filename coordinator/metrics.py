@@ -2,7 +2,8 @@
 
 `Metrics` holds what the HTTP layer observes per request (TTFT, TPOT, end-to-end latency,
 requests by status, errors by kind, queue depth, tokens) plus hooks the cluster backend calls
-as things happen (`observe_migration`, `observe_allocation`, `count_fallback`). Point-in-time
+as things happen (`observe_migration`, `observe_allocation`, `count_fallback`,
+`count_backpressure`). Point-in-time
 worker state (pool blocks, tail-slot waste, queue depth, cumulative preemptions) is rendered
 at scrape time from the backend's worker dicts by `worker_metrics_text`, so counts kept by
 workers never have to be mirrored here. Every metric name starts with `pdserve_`.
@@ -55,6 +56,9 @@ class Metrics:
                                             buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.fallbacks = Counter("pdserve_fallbacks", "Work done other than configured (e.g. another "
                                  "worker or transport than the first choice), by kind", ["kind"], registry=r)
+        self.backpressure = Counter("pdserve_backpressure_refusals", "Reservations a decode worker refused "
+                                    "for lack of room (the request tried another or waited)", ["worker"],
+                                    registry=r)
         self.retries = Counter("pdserve_retries", "Requests resumed after a worker failure, by phase",
                                ["phase"], registry=r)
 
@@ -99,6 +103,9 @@ class Metrics:
 
     def count_fallback(self, kind: str) -> None:
         self.fallbacks.labels(kind=kind).inc()
+
+    def count_backpressure(self, worker: str) -> None:
+        self.backpressure.labels(worker=worker).inc()
 
     def count_retry(self, phase: str) -> None:
         self.retries.labels(phase=phase).inc()

@@ -1,3 +1,4 @@
-"""Deployment material: shipped scenarios (`scenarios/`) and, with the cluster issue, the Ray
-launch code and configs for local and multi-node clusters.
+"""Deployment: `launch` starts or joins Ray, places the worker actors and serves the HTTP API
+(`pdserve up`, the demo and the tests use it); `scenarios/` holds the simulator's shipped trace;
+the YAML files are cluster manifests for multi-node runs (see the README).
 """

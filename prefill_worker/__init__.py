@@ -1,5 +1,6 @@
-"""Prefill worker (cluster issue, not built yet): a Ray actor running the engine in prefill-only
-mode; it fills its pool with a prompt's KV, samples the first token, exports the blocks to the
-decode worker the coordinator chose, and holds them under a lease until the decode side
-acknowledges.
+"""Prefill worker (`worker.PrefillWorker`, run as a Ray actor): a `role='prefill'` engine stepped by
+a background thread; for each request it fills its pool with the prompt's KV, pushes the first
+token to the coordinator, migrates every sequence's blocks to the decode worker the coordinator
+chose (over `transfer/`, under the coordinator's epoch) and releases them once acknowledged;
+full blocks stay in its prefix cache.
 """

@@ -1,0 +1,121 @@
+"""The coordinator's view of its worker actors: creating them, and the per-worker and per-request state.
+
+`spawn_workers` places the actors a `ClusterConfig` asks for (prefill + decode workers, or K
+colocated workers) with the engine settings of each role. `WorkerState` is what the coordinator
+knows of one worker (handle, address, block size, the stats of its last heartbeat, liveness);
+`RequestState` is one request in flight (its workers, its migration epoch, the reorder buffer of
+token events by output position). `call` awaits a Ray call with a bound. Nothing here runs an
+engine: the engines live in the actors (prefill_worker/, decode_worker/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+ROLES_DISAGGREGATED = ("prefill", "decode")
+ROLES_COLOCATED = ("colocated",)
+
+
+@dataclass
+class WorkerState:
+    name: str
+    role: str
+    handle: object
+    address: str = ""
+    block_size: int = 0
+    stats: dict = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    dead: str | None = None
+
+    def alive(self, timeout: float) -> bool:
+        fresh = time.monotonic() - self.last_seen < timeout
+        return self.dead is None and not self.stats.get("failed") and fresh
+
+
+@dataclass
+class RequestState:
+    rid: str
+    n: int
+    prompt_tokens: int
+    prefill: str
+    decode: str                                  # colocated: the one worker (prefill == decode)
+    prompt: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+    q: asyncio.Queue = field(default_factory=asyncio.Queue)
+    emitted: list = field(default_factory=list)
+    stash: list = field(default_factory=list)
+    done: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)   # per choice: ids streamed so far
+    epoch: int = 0                               # the current attempt's migration epoch
+    generated: list = field(default_factory=list)  # tokens the current attempt starts after
+    resumed: int = 0
+    migration: dict | None = None
+    decoded: bool = False
+    finished: bool = False
+    avoid: set = field(default_factory=set)      # decode workers a migration of it failed to
+
+    def __post_init__(self) -> None:
+        self.emitted, self.stash, self.done = [0] * self.n, [{} for _ in range(self.n)], [False] * self.n
+        self.tokens = [[] for _ in range(self.n)]
+
+    def place(self, i: int, start: int, toks: list[int], finish) -> None:
+        """Tokens of choice i from output position `start`: queue, in order, the ones not yet sent
+        (a gap waits for the earlier tokens; positions already sent are dropped)."""
+        from coordinator.backend import TokenEvent
+
+        if not 0 <= i < self.n or self.done[i]:
+            return
+        self.stash[i][start] = (toks, finish)
+        while self.stash[i]:
+            s = min(self.stash[i])
+            if s > self.emitted[i]:
+                return
+            toks, finish = self.stash[i].pop(s)
+            new = toks[self.emitted[i] - s:]
+            self.emitted[i] += len(new)
+            self.tokens[i] += new
+            if new or finish:
+                self.q.put_nowait(TokenEvent(i, tuple(new), finish))
+            if finish:
+                self.done[i] = True
+                self.stash[i].clear()
+
+
+async def call(ref, timeout: float):
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+
+
+def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerState]:
+    """Create the worker actors of ClusterConfig `c` (not yet started: `describe` waits for that)."""
+    import ray
+
+    from decode_worker.colocated import ColocatedWorker
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+    base = {"model": c.model, "num_blocks": c.num_blocks, **c.engine}
+    if c.colocated:
+        plan = [("colocated", c.colocated, ColocatedWorker, {})]
+    else:
+        plan = [("prefill", c.prefill, PrefillWorker, c.prefill_resources),
+                ("decode", c.decode, DecodeWorker, c.decode_resources)]
+    out: dict[str, WorkerState] = {}
+    for role, count, cls, res in plan:
+        engine = {**base, "block_size": c.block_size}
+        if role == "decode":
+            engine["block_size"] = c.decode_block_size or c.block_size
+            engine["num_blocks"] = c.decode_num_blocks or c.num_blocks
+        for i in range(count):
+            name = f"{role}-{i}"
+            cfg = {"name": name, "events_address": events_address, "engine": dict(engine)}
+            if role == "prefill":  # a stuck transfer must end before the heartbeat is missed
+                cfg.update(transport=c.transport, namespace=namespace,
+                           transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s))
+            elif role == "decode":
+                cfg.update(transport=c.transport, kv_host=c.host, reserve_ttl_s=c.event_timeout_s)
+            handle = ray.remote(cls).options(name=name, namespace=namespace, num_cpus=c.actor_cpus,
+                                             resources=dict(res), max_restarts=0).remote(cfg)
+            out[name] = WorkerState(name, role, handle)
+    return out

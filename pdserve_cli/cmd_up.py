@@ -1,0 +1,149 @@
+"""`pdserve up`: the disaggregated cluster (prefill + decode workers on Ray) behind the HTTP API.
+
+Starts a local embedded Ray unless `--address` joins an existing cluster, places N prefill and
+M decode worker actors, checks every prefill/decode pair can exchange KV (refusing to start
+with the reason otherwise), and serves the OpenAI-compatible API on loopback unless told
+otherwise. `--colocated K` runs K workers that each do both phases instead (no KV moves): the
+baseline behind the same coordinator, API, ledger and metrics. Ctrl-C or SIGTERM stops the
+listener, kills the actors and shuts down the Ray it started. Bad arguments or a failed start
+exit with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "up"
+GROUP = None
+HELP = "run the prefill/decode cluster on Ray behind the OpenAI-compatible HTTP API"
+
+
+# Flag defaults; a --config file's values replace these, and flags given on the command line
+# replace both.
+DEFAULTS = {"prefill": 1, "decode": 1, "transport": "zmq", "model": "tiny", "block_size": 16,
+            "decode_block_size": 0, "num_blocks": 512, "routing": "least_loaded", "host": "127.0.0.1",
+            "port": 8000, "address": None, "num_cpus": 2, "colocated": 0}
+# Keys a config file may set beyond the flags: ClusterConfig fields without a flag.
+FILE_ONLY = ("engine", "actor_cpus", "prefill_resources", "decode_resources", "heartbeat_timeout_s",
+             "call_timeout_s", "event_timeout_s", "start_timeout_s", "name", "decode_num_blocks",
+             "reserve_wait_s")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", help="YAML or JSON file of the settings below (plus ClusterConfig fields "
+                   "such as prefill_resources / decode_resources for multi-node placement)")
+    p.add_argument("--prefill", type=int, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, help="decode workers (default 1)")
+    p.add_argument("--colocated", type=int, metavar="K", help="run K colocated workers (both phases "
+                   "each, no KV migration) instead of prefill/decode workers (default 0: disaggregated)")
+    p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
+    p.add_argument("--model", help="'tiny' (default) or a Hugging Face checkpoint directory")
+    p.add_argument("--block-size", type=int, help="KV block size (prefill workers; default 16)")
+    p.add_argument("--decode-block-size", type=int, help="decode workers' block size (0: same)")
+    p.add_argument("--num-blocks", type=int, help="KV pool size per worker in blocks (default 512)")
+    p.add_argument("--routing", choices=("round_robin", "least_loaded", "prefix_aware"),
+                   help="routing policy (default least_loaded)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000; 0: any free port)")
+    p.add_argument("--address", help="join this Ray cluster ('auto' or HOST:PORT) instead of starting a "
+                   "local one")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default 2; ignored with --address)")
+
+
+def _settings(args) -> tuple[argparse.Namespace, dict]:
+    """Merge defaults, the --config file and the flags; returns (settings, file-only extras)."""
+    values = dict(DEFAULTS)
+    extras: dict = {}
+    if args.config:
+        import yaml  # ray depends on PyYAML
+
+        with open(args.config, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: expected a mapping of settings")
+        for k, v in data.items():
+            if k in values:
+                values[k] = v
+            elif k in FILE_ONLY:
+                extras[k] = v
+            else:
+                raise ValueError(f"{args.config}: unknown setting {k!r}")
+    for k in DEFAULTS:
+        if getattr(args, k, None) is not None:
+            values[k] = getattr(args, k)
+    return argparse.Namespace(**values), extras
+
+
+def _fail(msg: str) -> int:
+    print(f"pdserve up: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _kv_host(args) -> str:
+    """Where workers reach the coordinator: loopback on a local Ray; on a joined cluster the
+    --host given, or this (head) node's IP when --host is a wildcard. Call after Ray is up."""
+    if not args.address:
+        return "127.0.0.1"
+    if args.host not in ("0.0.0.0", "::"):
+        return args.host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def run(args) -> int:
+    import asyncio
+    import os
+    import signal
+
+    from coordinator.cluster import ClusterConfig
+    from deploy.launch import RayConfig, serve_cluster, start_ray, stop_ray
+
+    try:
+        args, extras = _settings(args)
+    except (OSError, ValueError) as e:
+        return _fail(str(e).splitlines()[0])
+    except Exception as e:  # a YAML syntax error
+        return _fail(f"cannot read --config: {str(e).splitlines()[0]}")
+    if args.colocated < 0:
+        return _fail("--colocated must be at least 0")
+    if not args.colocated and (args.prefill < 1 or args.decode < 1):
+        return _fail("--prefill and --decode must be at least 1")
+    if args.block_size < 1 or args.decode_block_size < 0:
+        return _fail("block sizes must be positive")
+    if args.model != "tiny" and not os.path.isfile(os.path.join(args.model, "config.json")):
+        return _fail(f"--model must be 'tiny' or a checkpoint directory with a config.json: {args.model!r}")
+
+    def ready(port: int, backend) -> None:
+        what = (f"{args.colocated} colocated worker(s)" if args.colocated else
+                f"{args.prefill} prefill + {args.decode} decode worker(s), transport {args.transport}")
+        print(f"pdserve up: {what}, model {backend.name!r} on http://{args.host}:{port}/v1 "
+              "(Ctrl-C to stop)", flush=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await serve_cluster(cfg, args.host, args.port, ready=ready)
+        except asyncio.CancelledError:
+            pass
+
+    started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
+    try:
+        cfg = ClusterConfig(prefill=args.prefill, decode=args.decode, transport=args.transport,
+                            model=args.model, block_size=args.block_size,
+                            decode_block_size=args.decode_block_size, num_blocks=args.num_blocks,
+                            routing=args.routing, colocated=args.colocated,
+                            host=_kv_host(args), **extras)
+        asyncio.run(main())
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    except (RuntimeError, ValueError) as e:
+        return _fail(str(e).splitlines()[0])
+    finally:
+        stop_ray(started)
+    print("pdserve up: stopped", flush=True)
+    return 0

@@ -1,0 +1,159 @@
+"""Credit-based backpressure end to end on a local Ray: decode workers whose pools hold only two
+requests each receive more concurrent requests than fit. Each migration is reserved first
+(`DecodeWorker.reserve`); refused ones try the other decode worker, then wait. Every request
+completes with the in-process engine's tokens, refusals are counted, and afterwards no block is
+used and no credit is left reserved anywhere, with the ledger at rest.
+
+One short-lived cluster: 1 prefill worker (128 blocks) + 2 decode workers of 8 blocks of 16
+tokens. A request of 40 prompt tokens reserves ceil(41/16) + 1 = 4 blocks and grows to
+ceil(60/16) = 4 blocks over 20 output tokens, so at most two run per decode worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("ray")
+
+from coordinator.cluster import ClusterConfig  # noqa: E402
+from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
+from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG = ClusterConfig(prefill=1, decode=2, num_blocks=128, decode_num_blocks=8, block_size=16,
+                       routing="round_robin")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = start_ray(RayConfig(num_cpus=2))
+    srv = ClusterServer(CONFIG)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+        stop_ray(started)
+
+
+def _complete(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _get(port: int, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return r.read()
+
+
+def _wait_at_rest(port: int, deadline_s: float = 20.0) -> dict:
+    """/v1/cluster once no request is active and no worker holds a used or reserved block (bounded)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        info = json.loads(_get(port, "/v1/cluster"))
+        quiet = all(w["used_blocks"] == 0 and w.get("reserved_blocks", 0) == 0 for w in info["workers"])
+        if (info["ledger"]["active_requests"] == 0 and quiet) or time.monotonic() > end:
+            return info
+        time.sleep(0.2)
+
+
+def test_overload_waits_for_room_and_every_request_completes(cluster):
+    prompts = [[(i * 17 + j * 3) % 250 + 1 for j in range(40)] for i in range(10)]
+    engine = LLMEngine(EngineConfig(model="tiny"))
+    want = [[c["token_ids"] for c in comp.choices]
+            for comp in engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))]
+    body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(_complete, cluster.port, {"prompt": p, **body}) for p in prompts]
+        got = [f.result(timeout=180) for f in futs]
+    assert [[c["token_ids"] for c in g["choices"]] for g in got] == want
+    assert {g["pdserve"]["backend"]["decode_worker"] for g in got} == {"decode-0", "decode-1"}
+
+    text = _get(cluster.port, "/metrics").decode()
+    refusals = [float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("pdserve_backpressure_refusals_total{")]
+    assert refusals and sum(refusals) > 0  # some requests found both decode pools full and waited
+    info = _wait_at_rest(cluster.port)
+    decode = [w for w in info["workers"] if w["role"] == "decode"]
+    assert sum(w["refused_reservations"] for w in decode) == sum(refusals)
+    assert all(w["total_blocks"] == 8 and w["preemptions"] == 0 for w in decode)  # never overflowed
+    assert all(w["used_blocks"] == 0 and w["reserved_blocks"] == 0 for w in decode)
+    assert all(w["used_blocks"] == 0 for w in info["workers"])
+    assert info["ledger"]["active_requests"] == 0 and info["ledger"]["failed"] == 0
+    assert cluster.backend.ledger.reconcile({w["name"]: w["used_blocks"] for w in info["workers"]}) == {}
+
+
+def test_request_larger_than_every_decode_pool_is_refused_with_400(cluster):
+    """200 prompt tokens need ceil(201/16) + 1 = 14 blocks on import: no 8-block pool ever fits."""
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _complete(cluster.port, {"prompt": [5] * 200, "max_tokens": 4, "temperature": 0})
+    assert e.value.code == 400
+    assert "exceed every decode worker's KV pool" in json.loads(e.value.read())["error"]["message"]
+    info = _wait_at_rest(cluster.port)
+    assert info["ledger"]["active_requests"] == 0
+    assert all(w["used_blocks"] == 0 and w.get("reserved_blocks", 0) == 0 for w in info["workers"])
+
+
+def test_reserve_admits_by_free_blocks_and_releases_on_abort(cluster):
+    """The actor method directly: 8 free blocks admit 4 + 4, refuse a third, and abort frees the
+    credit so the same request fits again."""
+    import ray
+
+    h = cluster.backend.workers["decode-1"].handle
+    assert ray.get(h.reserve.remote("bp-a", 1, 41, 1), timeout=30) is True
+    assert ray.get(h.reserve.remote("bp-b", 1, 41, 1), timeout=30) is True
+    assert ray.get(h.reserve.remote("bp-c", 1, 41, 1), timeout=30) is False
+    assert ray.get(h.reserve.remote("bp-d", 1, 10, 2), timeout=30) is False  # 2 x (1 + 1) blocks
+    h.abort.remote("bp-a")
+    assert ray.get(h.reserve.remote("bp-c", 1, 10, 2), timeout=30) is True   # 4 blocks freed by abort
+    for rid in ("bp-b", "bp-c"):
+        h.abort.remote(rid)
+    deadline = time.monotonic() + 10
+    while ray.get(h.stats.remote(), timeout=30)["reserved_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(h.stats.remote(), timeout=30)["reserved_blocks"] == 0
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(h.reserve.remote("bp-e", 1, 0, 1), timeout=30)
+
+
+def test_unconsumed_credit_expires_after_its_ttl():
+    """A reservation whose migration never comes (a prefill that was lost) is released after
+    reserve_ttl_s, so credits never leak. The worker body runs in-process here (no actor)."""
+    import zmq
+
+    from decode_worker.worker import DecodeWorker
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    w = DecodeWorker({"name": "decode-ttl", "events_address": f"tcp://127.0.0.1:{port}",
+                      "engine": {"num_blocks": 8}, "reserve_ttl_s": 2.0})
+
+    def wait_reserved(n: int) -> int:  # the loop's stats snapshot, polled (bounded)
+        deadline = time.monotonic() + 10
+        while w.stats()["reserved_blocks"] != n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return w.stats()["reserved_blocks"]
+
+    try:
+        assert w.reserve("a", 1, 41, 1) and w.reserve("b", 1, 41, 1)
+        assert not w.reserve("c", 1, 41, 1)
+        assert w.refused_reservations == 1
+        assert wait_reserved(8) == 8
+        assert wait_reserved(0) == 0  # expired: nothing was imported for them
+        assert w.reserve("c", 1, 41, 1)
+    finally:
+        w.shutdown()
+        pull.close(0)
+        ctx.term()
