@@ -2,7 +2,7 @@
 
 It is the baseline `pdserve up --colocated K` serves (and the serving benchmark compares the
 disaggregated cluster against): no KV ever moves. It lives with the decode worker because it is
-a decode worker that also prefills; it reuses that worker's event pusher (`_Pusher`: one msgpack
+a decode worker that also prefills; it reuses that worker's event pusher (`EventPusher`: one msgpack
 message per loop iteration over ZeroMQ PUSH, the same {"w", "stats", "events"} envelope) and
 its heartbeat rule (a stats-only push when nothing was sent for `heartbeat_s`).
 
@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from decode_worker.worker import _Pusher
+from prefill_worker.worker import EventPusher
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ColocatedWorker:
 
     # ---- loop thread --------------------------------------------------------------------------
     def _loop(self) -> None:
-        self.events = _Pusher(self.cfg.events_address, self.cfg.name)
+        self.events = EventPusher(self.cfg.events_address, self.cfg.name)
         try:
             while not self._stop.is_set():
                 out: list[dict] = []

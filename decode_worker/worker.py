@@ -34,8 +34,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import msgpack
-import zmq
+from prefill_worker.worker import EventPusher  # the same event socket for every role
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +60,6 @@ class DecodeWorkerConfig:
     call_timeout_s: float = 30.0
     max_expected: int = 100_000
     reserve_ttl_s: float = 60.0
-
-
-class _Pusher:
-    """One PUSH socket to the coordinator; loop thread only."""
-
-    def __init__(self, address: str, name: str, timeout_s: float = 5.0):
-        self.name, self.ctx = name, zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        self.sock.connect(address)
-        self.last = 0.0
-
-    def push(self, events: list[dict], stats: dict) -> None:
-        try:
-            self.sock.send(msgpack.packb({"w": self.name, "stats": stats, "events": events}))
-            self.last = time.monotonic()
-        except zmq.Again:
-            log.warning("%s: coordinator not reading events; %d dropped", self.name, len(events))
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 class DecodeWorker:
@@ -193,7 +169,7 @@ class DecodeWorker:
     def _loop(self) -> None:
         from transfer.errors import TransferError
 
-        self.events = _Pusher(self.cfg.events_address, self.cfg.name)
+        self.events = EventPusher(self.cfg.events_address, self.cfg.name)
         try:
             while not self._stop.is_set():
                 out: list[dict] = []
