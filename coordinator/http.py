@@ -245,24 +245,29 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(request: web.Request, run: _Run, model: str) -> web.StreamResponse:
+    """Each delta is written as soon as it exists; only the one that finishes the last choice
+    waits for the end of the backend's stream, so it can carry usage and timings."""
     it = run.deltas().__aiter__()
     async with contextlib.aclosing(it):
         first = await it.__anext__()  # errors before the first token still get their own status
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         head = _head(run, model)
-        pending: _Delta | None = first
+        last: dict | None = None
+        d: _Delta | None = first
         try:
-            while pending is not None:
-                nxt = await anext(it, None)
-                chunk = {**head, "choices": [{"index": pending.index, "text": pending.text,
-                                              "token_ids": pending.token_ids, "logprobs": None,
-                                              "finish_reason": pending.finish_reason}]}
-                if nxt is None:  # the last chunk carries usage and timings
-                    chunk["usage"] = run.usage()
-                    chunk["pdserve"] = run.timing()
-                await resp.write(_sse(chunk))
-                pending = nxt
+            while d is not None:
+                chunk = {**head, "choices": [{"index": d.index, "text": d.text, "token_ids": d.token_ids,
+                                              "logprobs": None, "finish_reason": d.finish_reason}]}
+                if all(c.finish_reason is not None for c in run.choices):
+                    last = chunk  # the final delta: held until the final event has been read
+                else:
+                    await resp.write(_sse(chunk))
+                d = await anext(it, None)
+            last = last or {**head, "choices": []}
+            last["usage"] = run.usage()
+            last["pdserve"] = run.timing()
+            await resp.write(_sse(last))
         except APIError as e:  # mid-stream failure: the status is already sent, say it in the stream
             request.app[METRICS].count_error(e.kind)
             run.error = e

@@ -1,0 +1,347 @@
+"""`pdserve bench serve`: disaggregated against colocated serving under the same open-loop load.
+
+For each mode it brings a cluster up with `deploy.launch.ClusterServer` on one embedded local
+Ray (started once; clusters brought up one after another and always shut down), or targets a
+running coordinator (`url`, one mode named by `mode`). Per mode: a short warm-up, then the
+overhead measurement vLLM uses for disaggregation (requests one at a time at low load:
+prefill-only ones with max_tokens=1 against full ones of the same lengths, so the TTFT that
+migration adds is seen alone), then one open-loop run (coordinator.loadgen) per request rate.
+Every run is summarised from client-side records (`summarize`): TTFT, TPOT ((e2e - ttft) /
+(output tokens - 1)), ITL (each chunk's gap spread over its tokens), e2e latency, their
+p50/p90/p99, output tokens/s, goodput (requests/s meeting BOTH the TTFT and the TPOT SLO, as
+DistServe defines it) and the server-reported KV migration time as a share of client TTFT,
+plus the same quantities under vLLM `bench serve`'s names. Every prompt set is drawn from its
+own seed (the same seeds for every mode), so no run hits another's prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from coordinator import loadgen
+from coordinator.loadgen import RequestRecord, RequestSpec, Workload, make_requests, preset, run_load
+
+MODES = ("disaggregated", "colocated")
+PCTS = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Goodput thresholds (ms): a request counts when its TTFT <= ttft_ms AND TPOT <= tpot_ms
+    (a one-token answer has no TPOT and meets that half). The defaults are about 5x the
+    unloaded latencies of the tiny model on a 2-core CPU (a 768-token prefill ~100 ms, a decode
+    step ~5 ms), DistServe's way of scaling SLOs to the model and machine."""
+
+    ttft_ms: float = 500.0
+    tpot_ms: float = 25.0
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """modes: which to compare (brought up here unless `url`). rates: request rates (req/s), one
+    run each. num_requests: per run. preset: loadgen preset of the length distributions.
+    prefill / decode: engines of the disaggregated mode; the colocated mode gets prefill + decode
+    engines doing both phases. transport: KV migration transport. block_size / num_blocks: each
+    engine's KV pool. url / mode: a running coordinator and its mode (then `modes` is ignored).
+    slo: goodput thresholds. seed: base seed of every prompt set. overhead_requests: requests per
+    kind in the overhead measurement (0 skips it). warmup_requests: sent before measuring.
+    request_timeout_s: bound on one request. start_timeout_s: bound on a cluster coming up.
+    detailed: also write every request's client record (times relative to its run's start)."""
+
+    modes: tuple[str, ...] = MODES
+    rates: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0)
+    num_requests: int = 60
+    preset: str = "long-prompt-short-output"
+    prefill: int = 1
+    decode: int = 1
+    transport: str = "zmq"
+    block_size: int = 16
+    num_blocks: int = 1024
+    url: str | None = None
+    mode: str = "disaggregated"
+    slo: SLO = SLO()
+    seed: int = 0
+    overhead_requests: int = 8
+    warmup_requests: int = 3
+    request_timeout_s: float = 120.0
+    start_timeout_s: float = 240.0
+    detailed: bool = False
+
+    def __post_init__(self) -> None:
+        for m in (*self.modes, self.mode):
+            if m not in MODES:
+                raise ValueError(f"mode must be one of {MODES}, got {m!r}")
+        if not self.rates or any(not (r > 0 and math.isfinite(r)) for r in self.rates):
+            raise ValueError(f"rates must be finite and > 0 requests/s, got {self.rates}")
+        if self.num_requests < 1 or self.prefill < 1 or self.decode < 1:
+            raise ValueError("num_requests, prefill and decode must be >= 1")
+
+
+QUICK = ServeBenchConfig(rates=(1.5, 3.0, 5.0), num_requests=40, overhead_requests=4, warmup_requests=2)
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def percentiles(values: list[float]) -> dict:
+    """p50/p90/p99 (numpy's linear interpolation, as vLLM); None for each when there are no values."""
+    if not values:
+        return {f"p{p}": None for p in PCTS}
+    arr = np.asarray(values, dtype=float)
+    return {f"p{p}": float(np.percentile(arr, p)) for p in PCTS}
+
+
+def ttft_ms(r: RequestRecord) -> float:
+    return (r.first_s - r.send_s) * 1000.0
+
+
+def e2e_ms(r: RequestRecord) -> float:
+    return (r.end_s - r.send_s) * 1000.0
+
+
+def tpot_ms(r: RequestRecord) -> float | None:
+    """Time per output token after the first: (e2e - ttft) / (tokens - 1); None for one token."""
+    if r.output_tokens < 2:
+        return None
+    return (e2e_ms(r) - ttft_ms(r)) / (r.output_tokens - 1)
+
+
+def itl_ms(r: RequestRecord) -> list[float]:
+    """Inter-token latencies: each chunk's gap after the previous one, spread evenly over its tokens."""
+    out: list[float] = []
+    for k in range(1, len(r.chunk_s)):
+        gap, n = (r.chunk_s[k] - r.chunk_s[k - 1]) * 1000.0, r.chunk_tokens[k]
+        out += [gap / n] * n
+    return out
+
+
+def meets_slo(r: RequestRecord, slo: SLO) -> bool:
+    t = tpot_ms(r)
+    return ttft_ms(r) <= slo.ttft_ms and (t is None or t <= slo.tpot_ms)
+
+
+def migration_share(r: RequestRecord) -> float:
+    """Server-side migration ms over client TTFT (0 when the request was not migrated)."""
+    return (r.migration_ms or 0.0) / ttft_ms(r) if ttft_ms(r) > 0 else 0.0
+
+
+def _present(recs: list[RequestRecord], name: str) -> list[float]:
+    return [getattr(r, name) for r in recs if getattr(r, name) is not None]
+
+
+def _mean(v: list[float]) -> float | None:
+    return float(np.mean(v)) if v else None
+
+
+def _median(v: list[float]) -> float | None:
+    return float(np.median(v)) if v else None
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict:
+    """One run's metrics from client records (only completed requests enter the latencies)."""
+    done = [r for r in records if r.ok]
+    ttft = [ttft_ms(r) for r in done]
+    tpot = [t for t in (tpot_ms(r) for r in done) if t is not None]
+    itl = [x for r in done for x in itl_ms(r)]
+    e2e = [e2e_ms(r) for r in done]
+    server_ttft, mig = _present(done, "server_ttft_ms"), _present(done, "migration_ms")
+    out_tokens = sum(r.output_tokens for r in done)
+    dur = max(duration_s, 1e-9)
+    good = sum(meets_slo(r, slo) for r in done)
+    res = {
+        "completed": len(done), "failed": len(records) - len(done),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration": duration_s,
+        "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles(e2e), "server_ttft_ms": percentiles(server_ttft),
+        "throughput_tok_s": out_tokens / dur, "goodput_req_s": good / dur,
+        "slo_attainment": good / len(records) if records else None,
+        "migration_ms": percentiles(mig), "migrated": len(mig),
+        "migration_share_of_ttft": percentiles([migration_share(r) for r in done]),
+        # the same quantities under vLLM `bench serve`'s result-file names
+        "total_input_tokens": sum(r.prompt_tokens for r in done), "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / dur, "output_throughput": out_tokens / dur,
+        "request_goodput": good / dur,
+    }
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+        res[f"mean_{name}_ms"] = _mean(vals)
+        res[f"median_{name}_ms"] = _median(vals)
+        res[f"p99_{name}_ms"] = percentiles(vals)["p99"]
+    return res
+
+
+# ---- running ---------------------------------------------------------------------------------
+def _workload(cfg: ServeBenchConfig, rate: float, n: int, seed: int) -> Workload:
+    return preset(cfg.preset, rate, n, seed)
+
+
+def _progress(log, label: str, total: int):
+    step, state = max(1, total // 5), {"done": 0, "failed": 0}
+
+    def on_done(rec: RequestRecord) -> None:
+        state["done"] += 1
+        state["failed"] += int(not rec.ok)
+        if state["done"] % step == 0 or state["done"] == total:
+            log(f"  [{label}] {state['done']}/{total} done, {state['failed']} failed")
+
+    return on_done
+
+
+def _load(url: str, specs: list[RequestSpec], cfg: ServeBenchConfig, progress=None):
+    return asyncio.run(run_load(url, specs, timeout_s=cfg.request_timeout_s, progress=progress))
+
+
+def _sequential(url: str, specs: list[RequestSpec], cfg: ServeBenchConfig) -> list[RequestRecord]:
+    return [_load(url, [replace(s, arrival_s=0.0)], cfg)[0][0] for s in specs]
+
+
+def measure_overhead(url: str, cfg: ServeBenchConfig, log) -> dict:
+    """Requests one at a time: max_tokens=1 (prefill only, never migrated) against full ones of
+    the same prompt lengths (fresh prompts each, so no prefix-cache hits)."""
+    n = cfg.overhead_requests
+    base = make_requests(_workload(cfg, 1.0, n, cfg.seed + 1000))
+    rng, (lo, hi) = np.random.default_rng(cfg.seed + 2000), loadgen.PROMPT_ID_RANGE
+    full = [replace(s, prompt=[int(x) for x in rng.integers(lo, hi, size=len(s.prompt))]) for s in base]
+    only = [replace(s, max_tokens=1) for s in base]
+    a, b = _sequential(url, only, cfg), _sequential(url, full, cfg)
+    res = {"requests": n}
+    for name, recs in (("prefill_only", a), ("full", b)):
+        ok = [r for r in recs if r.ok]
+        res[name] = {"completed": len(ok), "failed": len(recs) - len(ok),
+                     "ttft_ms": percentiles([ttft_ms(r) for r in ok]),
+                     "mean_ttft_ms": _mean([ttft_ms(r) for r in ok]),
+                     "server_ttft_ms": percentiles(_present(ok, "server_ttft_ms")),
+                     "migration_ms": percentiles(_present(ok, "migration_ms"))}
+    for key, name in (("ttft_ms", "added_ttft_ms_p50"), ("server_ttft_ms", "added_server_ttft_ms_p50")):
+        a50, b50 = res["prefill_only"][key]["p50"], res["full"][key]["p50"]
+        res[name] = None if a50 is None or b50 is None else b50 - a50
+    p_only, p_full = res["prefill_only"]["ttft_ms"]["p50"], res["full"]["ttft_ms"]["p50"]
+    mig = res["full"]["migration_ms"]["p50"]
+    log(f"  overhead: TTFT p50 prefill-only {_fmt(p_only)} ms, full {_fmt(p_full)} ms "
+        f"(added {_fmt(res['added_ttft_ms_p50'])} ms; migration p50 {_fmt(mig)} ms)")
+    return res
+
+
+def bench_target(url: str, mode: str, cfg: ServeBenchConfig, log) -> tuple[list[dict], dict | None]:
+    """Warm-up, overhead, then one run per rate against the coordinator at `url`."""
+    if cfg.warmup_requests:
+        _sequential(url, make_requests(_workload(cfg, 1.0, cfg.warmup_requests, cfg.seed + 3000)), cfg)
+    overhead = measure_overhead(url, cfg, log) if cfg.overhead_requests else None
+    runs = []
+    for i, rate in enumerate(cfg.rates):
+        specs = make_requests(_workload(cfg, rate, cfg.num_requests, cfg.seed + 1 + i))
+        label = f"{mode} @ {rate:g} req/s"
+        log(f"{label}: {len(specs)} requests, {cfg.preset}")
+        records, dur = _load(url, specs, cfg, _progress(log, label, len(specs)))
+        run = {"mode": mode, "rate": rate, "num_requests": len(specs), **summarize(records, dur, cfg.slo)}
+        if cfg.detailed:
+            t0 = min(r.send_s for r in records)
+            run["requests"] = [_detail(r, t0) for r in records]
+        log(f"  {format_run(run)}")
+        expect = sum(r.ok and r.output_tokens > 1 for r in records) if mode == "disaggregated" else 0
+        if run["migrated"] != expect:  # say it: work not done where the mode says it is
+            log(f"  WARNING: {run['migrated']} requests report a KV migration; {mode} mode expects {expect}")
+        runs.append(run)
+    return runs, overhead
+
+
+def _detail(r: RequestRecord, t0: float) -> dict:
+    d = r.to_dict()
+    for k in ("send_s", "first_s", "end_s"):
+        d[k] = None if d[k] is None else d[k] - t0
+    d["chunk_s"] = [t - t0 for t in d["chunk_s"]]
+    return d
+
+
+def cluster_config(mode: str, cfg: ServeBenchConfig):
+    from coordinator.cluster import ClusterConfig
+
+    common = {"transport": cfg.transport, "model": "tiny", "block_size": cfg.block_size,
+              "num_blocks": cfg.num_blocks, "start_timeout_s": cfg.start_timeout_s}
+    if mode == "disaggregated":
+        return ClusterConfig(prefill=cfg.prefill, decode=cfg.decode, **common)
+    try:
+        return ClusterConfig(colocated=cfg.prefill + cfg.decode, **common)
+    except TypeError:
+        raise RuntimeError("this build's ClusterConfig has no 'colocated' field: run with "
+                           "--modes disaggregated") from None
+
+
+def run_bench(cfg: ServeBenchConfig, log=print) -> dict:
+    """The whole benchmark; returns the JSON report (slo, config, runs, overhead per mode)."""
+    runs: list[dict] = []
+    overhead: dict = {}
+    if cfg.url:
+        r, o = bench_target(cfg.url, cfg.mode, cfg, log)
+        runs += r
+        overhead[cfg.mode] = o
+    else:
+        from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray
+
+        started = start_ray(RayConfig(num_cpus=2))
+        try:
+            for mode in cfg.modes:
+                t0 = time.perf_counter()
+                srv = ClusterServer(cluster_config(mode, cfg))
+                try:
+                    port = srv.start(timeout=cfg.start_timeout_s)
+                    log(f"== {mode}: cluster up on port {port} in {time.perf_counter() - t0:.1f} s ==")
+                    r, o = bench_target(f"http://127.0.0.1:{port}", mode, cfg, log)
+                    runs += r
+                    overhead[mode] = o
+                finally:
+                    srv.stop()
+        finally:
+            stop_ray(started)
+    return {"slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
+            "config": {"preset": cfg.preset, "rates": list(cfg.rates), "num_requests": cfg.num_requests,
+                       "modes": [cfg.mode] if cfg.url else list(cfg.modes), "prefill": cfg.prefill,
+                       "decode": cfg.decode, "transport": cfg.transport, "seed": cfg.seed,
+                       "url": cfg.url, "model": "tiny"},
+            "runs": runs, "overhead": overhead}
+
+
+# ---- text ------------------------------------------------------------------------------------
+def _fmt(x, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _p(r: dict, key: str, p: str, nd: int = 1) -> str:
+    return _fmt(r[key][p], nd)
+
+
+def format_run(r: dict) -> str:
+    return (f"done {r['completed']} failed {r['failed']} | TTFT p50/p99 {_p(r, 'ttft_ms', 'p50')}/"
+            f"{_p(r, 'ttft_ms', 'p99')} ms | TPOT p50/p99 {_p(r, 'tpot_ms', 'p50')}/"
+            f"{_p(r, 'tpot_ms', 'p99')} ms | {r['throughput_tok_s']:.0f} tok/s | goodput "
+            f"{r['goodput_req_s']:.2f} req/s | migration/TTFT p50 "
+            f"{_p(r, 'migration_share_of_ttft', 'p50', 3)}")
+
+
+def format_table(report: dict) -> str:
+    head = ("| mode | rate (req/s) | done/failed | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p99 | "
+            "tok/s | goodput (req/s) | migration share of TTFT p50/p99 |")
+    lines = [head, "|" + "---|" * 11]
+    for r in sorted(report["runs"], key=lambda r: (r["rate"], r["mode"])):
+        share = "migration_share_of_ttft"
+        lines.append(f"| {r['mode']} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
+                     f"{_p(r, 'ttft_ms', 'p50')} | {_p(r, 'ttft_ms', 'p99')} | {_p(r, 'tpot_ms', 'p50')} | "
+                     f"{_p(r, 'tpot_ms', 'p99')} | {_p(r, 'itl_ms', 'p99')} | {r['throughput_tok_s']:.0f} | "
+                     f"{r['goodput_req_s']:.2f} | "
+                     f"{_p(r, share, 'p50', 3)} / {_p(r, share, 'p99', 3)} |")
+    return "\n".join(lines)
+
+
+def format_overhead(report: dict) -> str:
+    lines = ["| mode | TTFT p50 max_tokens=1 | TTFT p50 full | added (client) | added (server) | "
+             "migration p50 |", "|" + "---|" * 6]
+    for mode, o in (report.get("overhead") or {}).items():
+        if o:
+            only, full = o["prefill_only"], o["full"]
+            lines.append(f"| {mode} | {_p(only, 'ttft_ms', 'p50')} | {_p(full, 'ttft_ms', 'p50')} | "
+                         f"{_fmt(o['added_ttft_ms_p50'])} | {_fmt(o['added_server_ttft_ms_p50'])} | "
+                         f"{_p(full, 'migration_ms', 'p50')} |")
+    return "\n".join(lines)

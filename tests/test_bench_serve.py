@@ -1,0 +1,198 @@
+"""The serving benchmark: load generation (seeded Poisson arrivals, length distributions,
+presets), the metrics on hand-made request records against hand-computed values, and one
+end-to-end `pdserve bench serve --url` run against an in-process HTTP server over a
+LocalEngineBackend with the tiny model (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from coordinator import bench_serve as bs
+from coordinator.loadgen import (
+    PRESETS,
+    PROMPT_ID_RANGE,
+    LengthDist,
+    RequestRecord,
+    RequestSpec,
+    Workload,
+    arrival_times,
+    make_requests,
+    preset,
+    run_load,
+)
+
+RUN_KEYS = {"mode", "rate", "completed", "failed", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
+            "throughput_tok_s",
+            "goodput_req_s", "migration_share_of_ttft"}
+VLLM_KEYS = {"mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+             "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+             "request_throughput", "output_throughput", "completed", "duration"}
+
+
+# ---- load generation -----------------------------------------------------------------------
+def test_poisson_arrivals_have_exponential_gaps_and_follow_the_seed():
+    rate, n = 4.0, 20000
+    t = arrival_times(rate, n, np.random.default_rng(7))
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
+    gaps = np.diff(t)
+    # mean 1/rate and coefficient of variation 1 (exponential); loose bounds (~6 sigma at n=20000)
+    assert abs(gaps.mean() - 1 / rate) < 0.05 / rate
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.05
+    assert arrival_times(rate, 50, np.random.default_rng(7)) == t[:50]
+    assert arrival_times(rate, 50, np.random.default_rng(8)) != t[:50]
+    assert arrival_times(float("inf"), 3, np.random.default_rng(0)) == [0.0, 0.0, 0.0]
+
+
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    assert LengthDist("fixed", mean=37).sample(rng, 5) == [37] * 5
+    u = LengthDist("uniform", low=3, high=6).sample(rng, 2000)
+    assert set(u) == {3, 4, 5, 6}
+    ln = LengthDist("lognormal", mean=200, low=50, high=400, sigma=0.5).sample(rng, 4000)
+    assert min(ln) >= 50 and max(ln) <= 400 and min(ln) == 50 and max(ln) == 400  # clipped at both ends
+    assert abs(np.median(ln) - 200) < 15
+    for bad in ({"kind": "normal"}, {"low": 0}, {"low": 9, "high": 3}, {"sigma": -1.0}):
+        with pytest.raises(ValueError):
+            LengthDist(**bad)
+    with pytest.raises(ValueError):
+        Workload(rate=0.0, num_requests=1, prompt_len=LengthDist(), output_len=LengthDist())
+
+
+def test_presets_and_requests_have_exact_lengths():
+    from pdserve_cli.cmd_bench_serve import PRESETS as CLI_PRESETS
+
+    assert set(CLI_PRESETS) == set(PRESETS) == {"long-prompt-short-output", "short-prompt-long-output"}
+    means = {}
+    for name in PRESETS:
+        w = preset(name, rate=2.0, num_requests=200, seed=3)
+        specs = make_requests(w)
+        rng = np.random.default_rng(3)
+        arrival_times(2.0, 200, rng)  # consume the same draws make_requests takes first
+        plens, olens = w.prompt_len.sample(rng, 200), w.output_len.sample(rng, 200)
+        assert [len(s.prompt) for s in specs] == plens and [s.max_tokens for s in specs] == olens
+        assert all(PROMPT_ID_RANGE[0] <= x < PROMPT_ID_RANGE[1] for s in specs for x in s.prompt)
+        assert make_requests(w) == specs and make_requests(preset(name, 2.0, 200, seed=4)) != specs
+        means[name] = (np.mean(plens), np.mean(olens))
+    lp, so = means["long-prompt-short-output"], means["short-prompt-long-output"]
+    assert lp[0] > 5 * lp[1] and so[1] > so[0] and lp[0] > 5 * so[0]
+    with pytest.raises(ValueError):
+        preset("nope", 1.0, 1)
+
+
+# ---- metrics on hand-made records ------------------------------------------------------------
+def _rec(i, send, chunks, ok=True, mig=None, max_tokens=None):
+    toks = [n for _, n in chunks]
+    r = RequestRecord(i, prompt_tokens=10, max_tokens=max_tokens or sum(toks), send_s=send, ok=ok,
+                      migration_ms=mig)
+    if ok:
+        r.chunk_s, r.chunk_tokens = [t for t, _ in chunks], toks
+        r.first_s, r.end_s, r.output_tokens = chunks[0][0], chunks[-1][0], sum(toks)
+    else:
+        r.error = "HTTP 503: gone"
+    return r
+
+
+def _records():
+    a = _rec(0, 0.0, [(0.1, 1), (0.12, 1), (0.14, 1), (0.16, 1)], mig=10.0)  # ttft 100, tpot 20
+    b = _rec(1, 1.0, [(1.3, 1), (1.4, 2)], mig=30.0)  # ttft 300, e2e 400, 3 tokens: tpot 50, itl 50, 50
+    c = _rec(2, 1.5, [], ok=False, max_tokens=4)
+    d = _rec(3, 2.0, [(2.05, 1)])  # one token: ttft 50, no tpot
+    return [a, b, c, d]
+
+
+def test_per_request_metrics():
+    a, b, _, d = _records()
+    assert bs.ttft_ms(a) == pytest.approx(100) and bs.e2e_ms(b) == pytest.approx(400)
+    assert bs.tpot_ms(a) == pytest.approx(20) and bs.tpot_ms(b) == pytest.approx(50) and bs.tpot_ms(d) is None
+    assert bs.itl_ms(a) == pytest.approx([20, 20, 20]) and bs.itl_ms(b) == pytest.approx([50, 50])
+    assert bs.migration_share(a) == pytest.approx(0.1) and bs.migration_share(d) == 0.0
+    slo = bs.SLO(ttft_ms=200, tpot_ms=30)
+    assert [bs.meets_slo(r, slo) for r in (a, b, d)] == [True, False, True]
+    assert not bs.meets_slo(a, bs.SLO(ttft_ms=200, tpot_ms=19))
+
+
+def test_summarize_against_hand_computed_values():
+    s = bs.summarize(_records(), duration_s=4.0, slo=bs.SLO(ttft_ms=200, tpot_ms=30))
+    assert (s["completed"], s["failed"]) == (3, 1) and s["errors"] == ["HTTP 503: gone"]
+    # ttft [100, 300, 50]: sorted [50, 100, 300]; p90 at rank 1.8 -> 100 + 0.8 * 200
+    assert s["ttft_ms"]["p50"] == pytest.approx(100)
+    assert s["ttft_ms"]["p90"] == pytest.approx(260) and s["ttft_ms"]["p99"] == pytest.approx(296)
+    assert s["tpot_ms"]["p50"] == pytest.approx(35) and s["median_tpot_ms"] == pytest.approx(35)
+    assert s["itl_ms"]["p50"] == pytest.approx(20) and s["mean_itl_ms"] == pytest.approx(32)
+    assert s["mean_e2el_ms"] == pytest.approx((160 + 400 + 50) / 3)
+    assert s["throughput_tok_s"] == pytest.approx(8 / 4) == s["output_throughput"]
+    assert s["goodput_req_s"] == pytest.approx(2 / 4) == s["request_goodput"]
+    assert s["request_throughput"] == pytest.approx(3 / 4) and s["duration"] == 4.0
+    assert s["migration_share_of_ttft"]["p50"] == pytest.approx(0.1) and s["migrated"] == 2
+    assert RUN_KEYS - {"mode", "rate"} <= set(s) and VLLM_KEYS <= set(s)
+    empty = bs.summarize([_records()[2]], 1.0, bs.SLO())
+    assert empty["completed"] == 0 and empty["ttft_ms"] == {"p50": None, "p90": None, "p99": None}
+    json.dumps(empty, allow_nan=False)
+
+
+# ---- end to end against an in-process server -------------------------------------------------
+@pytest.fixture(scope="module")
+def server_url():
+    import torch
+
+    from coordinator.backend import LocalEngineBackend
+    from coordinator.http import HTTPConfig, make_app, start_server
+    from engine.engine import EngineConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    backend = LocalEngineBackend(EngineConfig(model="tiny", num_blocks=512)).start()
+    app = make_app(backend, HTTPConfig(stall_timeout_s=60))
+    runner, port = asyncio.run_coroutine_threadsafe(start_server(app, "127.0.0.1", 0), loop).result(30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        backend.close()
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()
+        torch.set_num_threads(threads)
+
+
+def test_a_refused_request_is_recorded_as_failed(server_url):
+    specs = [RequestSpec(0, 0.0, [65] * 2040, 20), RequestSpec(1, 0.0, [66] * 8, 3)]
+    recs, dur = asyncio.run(run_load(server_url, specs, timeout_s=60))
+    assert not recs[0].ok and recs[0].error.startswith("HTTP 400") and recs[0].first_s is None
+    assert recs[1].ok and recs[1].output_tokens == 3 and recs[1].chunk_tokens and dur > 0
+
+
+def test_bench_serve_cli_against_a_running_server(server_url, tmp_path):
+    from pdserve_cli.main import main
+
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    code = main(["bench", "serve", "--quick", "--url", server_url, "--mode", "colocated", "--rates", "8,16",
+                 "--num-requests", "6", "--preset", "short-prompt-long-output", "--tpot-slo-ms", "1000",
+                 "--detailed", "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    assert rep["slo"] == {"ttft_ms": bs.SLO().ttft_ms, "tpot_ms": 1000.0}
+    assert [(r["mode"], r["rate"]) for r in rep["runs"]] == [("colocated", 8.0), ("colocated", 16.0)]
+    specs = make_requests(preset("short-prompt-long-output", 8.0, 6, seed=bs.QUICK.seed + 1))
+    for r in rep["runs"]:
+        assert RUN_KEYS <= set(r) and VLLM_KEYS <= set(r)
+        assert (r["completed"], r["failed"]) == (6, 0)
+        assert all(set(r[k]) == {"p50", "p90", "p99"} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
+        assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        assert r["migration_share_of_ttft"]["p99"] == 0.0  # one in-process engine: nothing migrates
+    assert rep["runs"][0]["total_output_tokens"] == sum(s.max_tokens for s in specs)
+    reqs = rep["runs"][0]["requests"]  # --detailed: the client records, in spec order
+    want = [s.max_tokens for s in specs]
+    assert [q["max_tokens"] for q in reqs] == [q["output_tokens"] for q in reqs] == want
+    assert all(q["ok"] and 0 <= q["send_s"] < q["first_s"] <= q["end_s"] for q in reqs)
+    o = rep["overhead"]["colocated"]
+    assert o["prefill_only"]["completed"] == o["full"]["completed"] == bs.QUICK.overhead_requests
+    assert png.stat().st_size > 10_000
