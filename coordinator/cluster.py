@@ -11,10 +11,12 @@ and reorders token events by output position (the first token comes from the pre
 the rest from the decode worker, over different sockets). Closing a request early aborts it on
 both workers. A worker whose heartbeat stops counts as dead; with no live worker of a role a
 request gets 503 at once. Failures: a request whose prefill worker is lost before migrating is
-rerun on another prefill worker; one whose decode worker is lost (or whose migration failed)
-is prefilled again with the tokens already streamed (n=1; n>1 restarts, duplicates dropped)
-and continues on another decode worker; with no replacement the client gets a 503 error. Every
-wait is bounded.
+rerun on another prefill worker; one whose migration failed (its decode worker wedged or died
+mid-transfer) has the blocks its prefill worker still holds re-sent to another decode worker
+under a new epoch (no re-prefill); one whose decode worker is lost mid-decode is prefilled again
+with the tokens already streamed (n=1; n>1 restarts, duplicates dropped) and continues on
+another decode worker; with no replacement the client gets a 503 error (coordinator.failover).
+Every wait is bounded.
 
 Backpressure: before a request is prefilled, its decode worker must `reserve` room for the
 migration (credit-based; see decode_worker.worker). A refusal is counted
@@ -40,6 +42,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import FinalEvent
+from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
 from coordinator.metrics import Metrics, worker_metrics_text
 from coordinator.protocol import APIError, InternalError, InvalidRequest, ServiceUnavailable, Timeout
@@ -68,7 +71,9 @@ class ClusterConfig:
     colocated: when > 0, run this many colocated workers (each does prefill and decode; no KV moves)
     instead of prefill/decode workers: prefill, decode, transport, decode_* are then ignored.
     decode_num_blocks: decode workers' pool size (0: num_blocks). reserve_wait_s: longest a request
-    waits for room on a decode worker (backpressure) before it gets 503 "decode workers full"."""
+    waits for room on a decode worker (backpressure) before it gets 503 "decode workers full".
+    decode_model: the decode workers' model ('' : same as model); a model whose KV layout differs
+    (layers, KV heads, head size, dtype) is refused at start, naming both workers and the fields."""
 
     prefill: int = 1
     decode: int = 1
@@ -92,9 +97,10 @@ class ClusterConfig:
     colocated: int = 0
     decode_num_blocks: int = 0
     reserve_wait_s: float = 30.0
+    decode_model: str = ""
 
 
-class ClusterBackend:
+class ClusterBackend(FailoverMixin):
     """Prefill + decode actors behind the backend contract (see coordinator.backend)."""
 
     def __init__(self, config: ClusterConfig = ClusterConfig(), metrics: Metrics | None = None):
@@ -150,6 +156,7 @@ class ClusterBackend:
         for d in descs:
             w = self.workers[d["name"]]
             w.address, w.block_size, w.last_seen = d["address"], d["block_size"], time.monotonic()
+            w.model = str(d.get("model", ""))
         if not self.colocated:
             await self._check_pairs()
         self._monitor_task = asyncio.create_task(self._monitor())
@@ -162,8 +169,8 @@ class ClusterBackend:
                 err = await _call(p.handle.connect.remote(d.name, d.address), self.config.start_timeout_s)
                 if err:
                     await self.aclose()
-                    raise RuntimeError(f"{p.name} (block size {p.block_size}) cannot hand KV to {d.name} "
-                                       f"(block size {d.block_size}): {err}")
+                    raise RuntimeError(f"{p.name} (model {p.model}, block size {p.block_size}) cannot hand "
+                                       f"KV to {d.name} (model {d.model}, block size {d.block_size}): {err}")
 
     async def aclose(self) -> None:
         import ray
@@ -330,55 +337,6 @@ class ClusterBackend:
             delay = min(0.2, delay * 2)
         raise ServiceUnavailable("request aborted")
 
-    async def _retry_prefill(self, st: _Req, lost: str) -> None:
-        """The prefill worker died before migrating: rerun the prompt on another one (new epoch).
-        Tokens it already sent are not repeated: events are placed by output position."""
-        try:
-            st.prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill", st.prompt,
-                                                      exclude={lost})
-            self.metrics.count_retry("prefill")
-            log.warning("request %s: prefill worker %s lost, rerunning on %s", st.rid, lost, st.prefill)
-            await self._dispatch(st)
-        except (NoWorkerError, APIError) as e:
-            if st.rid in self._reqs:
-                self._drop(st, ok=False)
-                st.q.put_nowait(e if isinstance(e, APIError) else ServiceUnavailable(
-                    f"prefill worker {lost} stopped responding and no other is live"))
-
-    def _resume(self, st: _Req, bad: str, why: str) -> None:
-        """The decode worker `bad` died or a migration to it failed: prefill again (n=1: prompt +
-        the tokens streamed so far, sampling continuing at their count; n>1: from the start) and
-        continue on another decode worker. Positions already sent are never sent twice (the
-        reorder drops them). Workers are picked now, so a second trigger sees the new owner."""
-        try:
-            st.decode = self.routers["decode"].pick(self._loads("decode"), "decode",
-                                                    exclude=self._lost | {bad})
-            st.generated = list(st.tokens[0]) if st.n == 1 else []
-            st.prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill",
-                                                      st.prompt + st.generated, exclude=self._lost)
-        except NoWorkerError:
-            self._drop(st, ok=False)
-            st.q.put_nowait(ServiceUnavailable(f"{why}; no other live decode/prefill worker to continue on"))
-            return
-        st.avoid.add(bad)
-        old = self.workers.get(bad)
-        if old is not None:  # release whatever it still holds for the request (credit, sequences)
-            old.handle.abort.remote(st.rid)
-        st.resumed += 1
-        st.migration, st.decoded = None, False
-        self.metrics.count_retry("decode")
-        log.warning("request %s: %s; resuming after %d tokens via %s -> %s", st.rid, why,
-                    len(st.generated), st.prefill, st.decode)
-        self._spawn(self._redispatch(st))
-
-    async def _redispatch(self, st: _Req) -> None:
-        try:
-            await self._dispatch(st)
-        except APIError as e:
-            if st.rid in self._reqs:
-                self._drop(st, ok=False)
-                st.q.put_nowait(e)
-
     def _drop(self, st: _Req, ok: bool) -> None:
         """Forget a request; abort it on both workers unless it finished there."""
         self._reqs.pop(st.rid, None)
@@ -392,39 +350,6 @@ class ClusterBackend:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _monitor(self) -> None:
-        """Fail, with 503 and at once, the requests of a worker whose heartbeat stopped."""
-        while True:
-            await asyncio.sleep(self.config.monitor_s)
-            for w in self.workers.values():
-                if w.alive(self.config.heartbeat_timeout_s):
-                    self._lost.discard(w.name)
-                    continue
-                if w.name in self._lost:
-                    continue
-                self._lost.add(w.name)
-                log.warning("worker %s is gone (no heartbeat for %.1fs)", w.name,
-                            self.config.heartbeat_timeout_s)
-                self.routers[w.role].forget(w.name)
-                for st in list(self._reqs.values()):
-                    if w.role == "colocated":
-                        if st.decode == w.name:
-                            self.metrics.count_error("worker_lost")
-                            self._drop(st, ok=False)
-                            st.q.put_nowait(ServiceUnavailable(f"colocated worker {w.name} stopped "
-                                                               f"responding; the request was lost"))
-                        continue
-                    on_prefill = st.prefill == w.name and st.migration is None and not st.decoded
-                    if on_prefill and st.decode not in self._lost:
-                        self._spawn(self._retry_prefill(st, w.name))
-                    elif st.decode == w.name and not all(st.done):
-                        self._resume(st, w.name, f"decode worker {w.name} stopped responding")
-                    elif on_prefill:
-                        self.metrics.count_error("worker_lost")
-                        self._drop(st, ok=False)
-                        st.q.put_nowait(ServiceUnavailable(f"{w.role} worker {w.name} stopped responding; "
-                                                           f"the request was lost"))
 
     # ---- events -----------------------------------------------------------------------------------
     async def _read_events(self) -> None:
@@ -444,10 +369,11 @@ class ClusterBackend:
 
     def _on_event(self, w: _Worker, ev: dict) -> None:
         st = self._reqs.get(ev.get("rid"))
-        if st is None:
-            return  # finished or aborted already
-        if w.name not in (st.prefill, st.decode) or ("epoch" in ev and ev["epoch"] != st.epoch):
-            return  # from an earlier attempt of this request
+        stale = st is None or w.name not in (st.prefill, st.decode) or ev.get("epoch", st.epoch) != st.epoch
+        if stale:  # finished, aborted, or from an earlier attempt of this request
+            if ev.get("held"):  # blocks held for a resend nobody will ask for: release them now
+                w.handle.drop_held.remote(ev["rid"], int(ev["epoch"]))
+            return
         kind = ev["k"]
         if kind == "tok":
             if w.name == st.decode:
@@ -462,12 +388,17 @@ class ClusterBackend:
             self._advance(st, Phase.DECODING, int(ev.get("blocks", 0)))
         elif kind == "err" and ev.get("kind") == "migration":
             self.metrics.count_error("migration")
-            self._resume(st, st.decode, str(ev.get("msg")))
+            if ev.get("held"):  # the prefill worker still holds the blocks: send them elsewhere
+                self._spawn(self._resend(st, st.decode, str(ev.get("msg"))))
+            else:
+                self._resume(st, st.decode, str(ev.get("msg")))
             return
         elif kind == "err":
             self.metrics.count_error(str(ev.get("kind", "worker")))
             self._drop(st, ok=False)
-            cls = InvalidRequest if ev.get("kind") == "refused" else InternalError
+            kind = ev.get("kind")
+            cls = InvalidRequest if kind == "refused" else ServiceUnavailable if kind == "hold_expired" \
+                else InternalError
             st.q.put_nowait(cls(f"{w.name}: {ev.get('msg')}"))
             return
         elif kind == "stale":
@@ -489,7 +420,7 @@ class ClusterBackend:
             return
         st.finished = True
         info = {"prefill_worker": st.prefill, "decode_worker": st.decode if st.decoded else None,
-                "migration": st.migration, "resumed": st.resumed}
+                "migration": st.migration, "resumed": st.resumed, "resent": st.resent}
         if self.colocated:
             info = {"worker": st.decode, "role": "colocated"}
         self._drop(st, ok=True)

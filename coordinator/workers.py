@@ -25,6 +25,7 @@ class WorkerState:
     handle: object
     address: str = ""
     block_size: int = 0
+    model: str = ""
     stats: dict = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
     dead: str | None = None
@@ -55,6 +56,8 @@ class RequestState:
     decoded: bool = False
     finished: bool = False
     avoid: set = field(default_factory=set)      # decode workers a migration of it failed to
+    resent: int = 0                              # held blocks re-sent to another decode worker
+    resending: bool = False                      # a resend is being arranged (coordinator.failover)
 
     def __post_init__(self) -> None:
         self.emitted, self.stash, self.done = [0] * self.n, [{} for _ in range(self.n)], [False] * self.n
@@ -105,6 +108,7 @@ def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerSta
     for role, count, cls, res in plan:
         engine = {**base, "block_size": c.block_size}
         if role == "decode":
+            engine["model"] = c.decode_model or c.model
             engine["block_size"] = c.decode_block_size or c.block_size
             engine["num_blocks"] = c.decode_num_blocks or c.num_blocks
         for i in range(count):
@@ -112,7 +116,8 @@ def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerSta
             cfg = {"name": name, "events_address": events_address, "engine": dict(engine)}
             if role == "prefill":  # a stuck transfer must end before the heartbeat is missed
                 cfg.update(transport=c.transport, namespace=namespace,
-                           transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s))
+                           transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s),
+                           hold_s=c.reserve_wait_s + 2 * c.call_timeout_s)  # outlives a resend's reserve
             elif role == "decode":
                 cfg.update(transport=c.transport, kv_host=c.host, reserve_ttl_s=c.event_timeout_s)
             handle = ray.remote(cls).options(name=name, namespace=namespace, num_cpus=c.actor_cpus,

@@ -27,7 +27,7 @@ DEFAULTS = {"prefill": 1, "decode": 1, "transport": "zmq", "model": "tiny", "blo
 # Keys a config file may set beyond the flags: ClusterConfig fields without a flag.
 FILE_ONLY = ("engine", "actor_cpus", "prefill_resources", "decode_resources", "heartbeat_timeout_s",
              "call_timeout_s", "event_timeout_s", "start_timeout_s", "name", "decode_num_blocks",
-             "reserve_wait_s")
+             "reserve_wait_s", "decode_model")
 
 
 def add_arguments(p) -> None:

@@ -8,10 +8,18 @@ the coordinator gave, and releases its blocks (full ones stay in its prefix cach
 travel as one msgpack message per loop iteration over a ZeroMQ PUSH socket (no pickle, no Ray
 call per token); actor methods take and return plain types only.
 
+A migration that fails (timeout, transport error) does not free the request's blocks: the
+request is *held* (reported with `held: true`) until the coordinator names another decode
+worker with `resend(rid, name, address, epoch)`, which migrates the same blocks again (no
+re-prefill). A held request's blocks are released when a resend succeeds, on `abort` or
+`drop_held`, when a newer attempt of the request arrives, and after `hold_s` without a resend
+(then an `err` of kind `hold_expired` is reported). Exports are tracked in a LeaseTable: a
+failed transfer's lease is released at once (the held table still pins the blocks).
+
 Event kinds (dicts inside {"w": name, "stats": {...}, "events": [...]}):
   tok  {rid, i (choice index), s (output position of the first token), t (tokens), f (finish)}
   mig  {rid, to, epoch, ms, bytes, blocks, reused, seqs, transport}    migration acked
-  err  {rid, msg, kind}                                                 request failed here
+  err  {rid, msg, kind, epoch, held}                                    request failed here
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ class PrefillWorkerConfig:
     role is forced to 'prefill'). heartbeat_s: stats push period when idle. idle_poll_s: idle
     wait on the command queue. call_timeout_s: bound on any wait for the loop thread.
     transfer_timeout_s: bound on one migration's ack (and on a handshake). The loop thread waits
-    for it, so it should stay below the coordinator's heartbeat timeout."""
+    for it, so it should stay below the coordinator's heartbeat timeout. hold_s: how long a
+    request whose migration failed keeps its blocks waiting for a `resend` (0: never hold,
+    release at once and report the failure without `held`)."""
 
     name: str
     events_address: str
@@ -48,6 +58,7 @@ class PrefillWorkerConfig:
     idle_poll_s: float = 0.02
     call_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    hold_s: float = 30.0
 
 
 class EventPusher:
@@ -93,6 +104,10 @@ class PrefillWorker:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._reqs: dict[str, tuple] = {}       # rid -> (Request, decode worker, epoch)
         self._senders: dict[str, object] = {}   # decode worker name -> Sender
+        self._held: dict[str, tuple[int, float]] = {}  # rid -> (failed epoch, deadline): awaiting resend
+        from transfer.lease import LeaseTable
+        self._leases = LeaseTable()
+        self.prefills = self.resends = self.hold_expired = 0
         self._stop = threading.Event()
         self.failed: str | None = None
         self._stats = self._snapshot()
@@ -134,6 +149,16 @@ class PrefillWorker:
     def abort(self, rid: str) -> None:
         self._cmds.put(("abort", rid, None))
 
+    def resend(self, rid: str, decode_name: str, decode_address: str, epoch: int) -> str | None:
+        """Migrate a held request's blocks (its migration failed) to another decode worker under a new
+        epoch; an error message when it is not held here (released, expired, aborted), else None."""
+        return self._on_loop("resend", rid, decode_name, decode_address, int(epoch))
+
+    def drop_held(self, rid: str, epoch: int) -> None:
+        """Release a held request's blocks if it is held from the migration of `epoch` (a stale
+        attempt the coordinator no longer wants); anything else is left alone."""
+        self._cmds.put(("drop_held", rid, int(epoch), None))
+
     def stats(self) -> dict:
         return dict(self._stats)
 
@@ -166,7 +191,10 @@ class PrefillWorker:
                     self.events.push(out, self._stats)
                     out = []
                 for rid in list(self.engine.prefilled):
-                    self._migrate(rid, out)
+                    if rid not in self._held:
+                        self._migrate(rid, out)
+                self._expire_held(out)
+                self._leases.expire()
                 self._stats = self._snapshot()
                 if out or time.monotonic() - self.events.last > self.cfg.heartbeat_s:
                     self.events.push(out, self._stats)
@@ -192,7 +220,14 @@ class PrefillWorker:
                     self._add(*cmd[1:-1], out=out)
                 elif kind == "abort":
                     self._reqs.pop(cmd[1], None)
+                    self._held.pop(cmd[1], None)
                     self.engine.abort(cmd[1])
+                elif kind == "resend":
+                    res = self._resend(*cmd[1:-1])
+                elif kind == "drop_held":
+                    if self._held.get(cmd[1], (None,))[0] == cmd[2]:
+                        self._held.pop(cmd[1])
+                        self.engine.abort(cmd[1])
                 elif kind == "connect":
                     res = self._connect(cmd[1], cmd[2])
                 elif kind == "hang":
@@ -205,6 +240,7 @@ class PrefillWorker:
                 fut.set_exception(e)
 
     def _add(self, rid, prompt_ids, params, decode_name, decode_address, epoch, generated, out) -> None:
+        self._held.pop(rid, None)
         if rid in self.engine.requests or rid in self.engine.prefilled:
             self.engine.abort(rid)  # an earlier attempt of the same request: this one supersedes it
         try:
@@ -212,6 +248,7 @@ class PrefillWorker:
         except Exception as e:  # validated already; a race with the pool
             out.append({"k": "err", "rid": rid, "msg": str(e), "kind": "refused", "epoch": epoch})
             return
+        self.prefills += 1
         if generated:  # not scheduled yet: the first prefill computes prompt + generated
             self.engine.requests[rid].seqs[0].output_ids = list(generated)
         self._reqs[rid] = (self.engine.requests[rid], decode_name, decode_address, epoch)
@@ -264,7 +301,8 @@ class PrefillWorker:
             s.close()
 
     def _migrate(self, rid: str, out: list[dict]) -> None:
-        """Ship every live sequence of a prefilled request, then free our blocks (acked or not)."""
+        """Ship every live sequence of a prefilled request; on the ack free our blocks (full ones stay
+        cached). On a failure hold them for a `resend` (see the module docstring)."""
         from transfer.errors import TransferError
         from transfer.messages import DecodeState
 
@@ -281,7 +319,8 @@ class PrefillWorker:
             state_sampling = req.params.to_dict()
             for s in req.live_seqs:
                 state = DecodeState(list(s.token_ids), state_sampling, len(s.output_ids))
-                ack = sender.migrate(self.engine.kv, s.seq_id, f"{rid}/{s.index}", epoch, state)
+                ack = sender.migrate(self.engine.kv, s.seq_id, f"{rid}/{s.index}", epoch, state,
+                                     leases=self._leases)
                 stat["bytes"] += ack.nbytes
                 stat["blocks"] += ack.new_blocks
                 stat["reused"] += ack.reused_blocks
@@ -292,17 +331,43 @@ class PrefillWorker:
                                                                                "HandshakeRequired")
             if broken:
                 self._drop_sender(decode_name)  # the connection may be broken: reconnect next time
+            for s in req.seqs:  # the unacked exports' extra references (the table still holds them)
+                self._leases.release(f"{rid}/{s.index}", epoch)
+            held = self.cfg.hold_s > 0
+            if held:
+                self._held[rid] = (epoch, time.monotonic() + self.cfg.hold_s)
+            else:
+                self.engine.release_prefilled(rid)
             out.append({"k": "err", "rid": rid, "epoch": epoch, "msg": f"migration to {decode_name} failed: "
-                        f"{type(e).__name__}: {e}", "kind": "migration"})
+                        f"{type(e).__name__}: {e}", "kind": "migration", "held": held})
             return
-        finally:
-            self.engine.release_prefilled(rid)
+        self.engine.release_prefilled(rid)
         out.append({"k": "mig", "rid": rid, "to": decode_name, "epoch": epoch,
                     "ms": (time.perf_counter() - t0) * 1e3, "transport": self.cfg.transport, **stat})
+
+    def _resend(self, rid: str, decode_name: str, address: str, epoch: int) -> str | None:
+        if self._held.pop(rid, None) is None or rid not in self.engine.prefilled:
+            return f"request {rid} is not held on {self.cfg.name}"
+        self._reqs[rid] = (self.engine.prefilled[rid], decode_name, address, epoch)
+        self.resends += 1
+        return None  # the loop migrates it next
+
+    def _expire_held(self, out: list[dict]) -> None:
+        now = time.monotonic()
+        for rid, (epoch, deadline) in list(self._held.items()):
+            if deadline <= now:
+                del self._held[rid]
+                self.engine.abort(rid)
+                self.hold_expired += 1
+                out.append({"k": "err", "rid": rid, "epoch": epoch, "kind": "hold_expired",
+                            "msg": f"no decode worker took the held KV within {self.cfg.hold_s:g}s"})
 
     def _snapshot(self) -> dict:
         e = self.engine
         return {"name": self.cfg.name, "role": self.role, "block_size": e.config.block_size, **e.kv.usage(),
                 "queue_depth": len(e.scheduler.waiting), "running": len(e.scheduler.running),
                 "preemptions": e.scheduler.preemptions, "active_requests": len(e.requests),
-                "held_requests": len(e.prefilled), "steps": e.steps, "failed": self.failed}
+                "held_requests": len(e.prefilled), "steps": e.steps, "failed": self.failed,
+                "held_for_resend": len(self._held), "prefills": self.prefills, "resends": self.resends,
+                "hold_expired": self.hold_expired, "prefix_hit_tokens": e.kv.prefix_hit_tokens,
+                "leases": len(self._leases)}
