@@ -126,7 +126,8 @@ class _Snapshot:
 
 def worker_metrics_text(workers: list[dict]) -> str:
     """Per-worker gauges from dicts with keys name, role and any of total_blocks, used_blocks,
-    free_blocks, cached_blocks, tail_waste_slots, queue_depth, running, preemptions (cumulative)."""
+    free_blocks, cached_blocks, tail_waste_slots, queue_depth, running, and the cumulative
+    preemptions, alloc_calls and alloc_seconds."""
     blocks = GaugeMetricFamily("pdserve_pool_blocks", "KV pool blocks per worker by state",
                                labels=["worker", "role", "state"])
     waste = GaugeMetricFamily("pdserve_pool_tail_waste_slots", "Allocated but unfilled token slots in "
@@ -136,15 +137,20 @@ def worker_metrics_text(workers: list[dict]) -> str:
     running = GaugeMetricFamily("pdserve_worker_running", "Requests running on a worker",
                                 labels=["worker", "role"])
     preempt = CounterMetricFamily("pdserve_preemptions", "Preemptions per worker", labels=["worker", "role"])
+    allocs = CounterMetricFamily("pdserve_block_allocations", "Block-table allocate/append calls per worker",
+                                 labels=["worker", "role"])
+    alloc_s = CounterMetricFamily("pdserve_block_allocation_seconds", "Time spent in those calls (divide "
+                                  "by pdserve_block_allocations for the mean allocation latency)",
+                                  labels=["worker", "role"])
     for w in workers:
         key = [str(w.get("name", "?")), str(w.get("role", "?"))]
         for state in ("total", "used", "free", "cached"):
             if f"{state}_blocks" in w:
                 blocks.add_metric(key + [state], float(w[f"{state}_blocks"]))
         for fam, field in ((waste, "tail_waste_slots"), (queue, "queue_depth"), (running, "running"),
-                           (preempt, "preemptions")):
+                           (preempt, "preemptions"), (allocs, "alloc_calls"), (alloc_s, "alloc_seconds")):
             if field in w:
                 fam.add_metric(key, float(w[field]))
     reg = CollectorRegistry()
-    reg.register(_Snapshot([blocks, waste, queue, running, preempt]))
+    reg.register(_Snapshot([blocks, waste, queue, running, preempt, allocs, alloc_s]))
     return generate_latest(reg).decode()

@@ -12,6 +12,7 @@ before a write into a shared tail block. Shortage returns None/False and changes
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,8 @@ class KVCacheManager:
         self.tables: dict[object, BlockTable] = {}
         self.cow_copies = 0
         self.prefix_hit_tokens = 0
+        self.alloc_calls = 0  # allocate/append calls, and the seconds they took (allocation latency)
+        self.alloc_seconds = 0.0
 
     # ---- queries ------------------------------------------------------------------------
     def table(self, seq_id) -> BlockTable:
@@ -128,6 +131,15 @@ class KVCacheManager:
 
     # ---- allocate / grow ----------------------------------------------------------------
     def allocate(self, seq_id, token_ids: list[int], extra_key: str | None = None) -> int | None:
+        """Timed `_allocate` (see there)."""
+        t0 = time.perf_counter()
+        try:
+            return self._allocate(seq_id, token_ids, extra_key)
+        finally:
+            self.alloc_calls += 1
+            self.alloc_seconds += time.perf_counter() - t0
+
+    def _allocate(self, seq_id, token_ids: list[int], extra_key: str | None = None) -> int | None:
         """Create a table with slots for `token_ids`, reusing cached prefix blocks.
 
         Returns how many leading tokens are already computed (prefix-cache hit), or None on
@@ -168,6 +180,15 @@ class KVCacheManager:
         return need
 
     def append(self, seq_id, token_ids: list[int]) -> bool:
+        """Timed `_append` (see there)."""
+        t0 = time.perf_counter()
+        try:
+            return self._append(seq_id, token_ids)
+        finally:
+            self.alloc_calls += 1
+            self.alloc_seconds += time.perf_counter() - t0
+
+    def _append(self, seq_id, token_ids: list[int]) -> bool:
         """Give `token_ids` slots at the end of the sequence. False on shortage (no change)."""
         t = self.table(seq_id)
         if t.swapped:
@@ -297,6 +318,7 @@ class KVCacheManager:
             "used_blocks": a.num_used, "block_size": B,
             "tail_waste_slots": sum(len(t.blocks) * B - t.num_tokens for t in resident),
             "swapped_sequences": len(self.tables) - len(resident),
+            "alloc_calls": self.alloc_calls, "alloc_seconds": self.alloc_seconds,
         }
 
     def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
