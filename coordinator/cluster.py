@@ -291,8 +291,10 @@ class ClusterBackend(FailoverMixin):
             err = await _call(call, self.config.call_timeout_s)
         except asyncio.TimeoutError:
             raise Timeout(f"a worker did not take the request within {self.config.call_timeout_s}s") from None
-        except Exception as e:  # the actor died
-            raise ServiceUnavailable(f"worker call failed: {type(e).__name__}") from None
+        except Exception as e:  # the actor died: mark it so routing skips it from now on
+            name = st.decode if self.colocated else st.prefill
+            self.workers[name].dead = type(e).__name__
+            raise ServiceUnavailable(f"worker {name} failed: {type(e).__name__}") from None
         if err:
             raise InvalidRequest(err, param="prompt")
 
@@ -319,8 +321,9 @@ class ClusterBackend(FailoverMixin):
                 except asyncio.TimeoutError:
                     raise Timeout(f"decode worker {w.worker_id} did not answer within {c.call_timeout_s}s") \
                         from None
-                except Exception as e:  # the actor died
-                    raise ServiceUnavailable(f"worker call failed: {type(e).__name__}") from None
+                except Exception as e:  # the actor died: say so now, not a heartbeat later, and go on
+                    self.workers[w.worker_id].dead = type(e).__name__
+                    continue
                 if ok:
                     if st.rid not in self._reqs:  # dropped while we waited: give the credit back
                         handle.abort.remote(st.rid)
