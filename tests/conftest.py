@@ -1,5 +1,6 @@
 """Shared test setup: hypothesis profiles (select with HYPOTHESIS_PROFILE), one torch thread,
-and the `gpu` marker's skip when CUDA is absent."""
+the `gpu` marker's skip when CUDA is absent, and the cluster tests' module-scoped fixtures
+(a local Ray, the in-process reference engine)."""
 
 import os
 
@@ -14,6 +15,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # The test models are tiny: one intra-op thread is faster than two fighting over 2 cores.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for one test module (cluster tests), shut down afterwards if we started it."""
+    from deploy.launch import RayConfig, start_ray, stop_ray
+
+    started = start_ray(RayConfig(num_cpus=2))
+    yield
+    stop_ray(started)
+
+
+@pytest.fixture(scope="module")
+def local_engine():
+    """The in-process tiny engine the cluster's tokens are compared with."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model="tiny"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -20,9 +19,10 @@ import pytest
 
 pytest.importorskip("ray")
 
+import cluster_client as cc  # noqa: E402
+
 from coordinator.cluster import ClusterConfig  # noqa: E402
-from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
-from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from deploy.launch import ClusterServer  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,18 +36,6 @@ CLUSTERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = start_ray(RayConfig(num_cpus=2))
-    yield
-    stop_ray(started)
-
-
-@pytest.fixture(scope="module")
-def local_engine():
-    return LLMEngine(EngineConfig(model="tiny"))
-
-
 @pytest.fixture(scope="module", params=sorted(CLUSTERS))
 def cluster(request, ray_local):
     srv = ClusterServer(CLUSTERS[request.param])
@@ -58,60 +46,11 @@ def cluster(request, ray_local):
         srv.stop()
 
 
-def _post(port: int, body: dict, timeout: float = 60.0):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout)
-
-
-def _complete(port: int, body: dict) -> dict:
-    with _post(port, body) as r:
-        return json.loads(r.read())
-
-
-def _stream(port: int, body: dict) -> dict[int, list[int]]:
-    """token ids per choice index, from the server-sent events of a streamed completion."""
-    out: dict[int, list[int]] = {}
-    with _post(port, {**body, "stream": True}) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                return out
-            for c in json.loads(line[6:])["choices"]:
-                out.setdefault(c["index"], []).extend(c.get("token_ids") or [])
-    raise AssertionError("stream ended without [DONE]")
-
-
-def _cluster_info(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/cluster", timeout=10) as r:
-        return json.loads(r.read())
-
-
-def _wait_at_rest(port: int, deadline_s: float = 20.0) -> dict:
-    """/v1/cluster once the ledger has no active request and no live worker holds a used block (the
-    workers report every ~0.2 s); the last snapshot if that never happens within the deadline."""
-    end = time.monotonic() + deadline_s
-    while True:
-        info = _cluster_info(port)
-        live = [w for w in info["workers"] if w["alive"]]
-        if info["ledger"]["active_requests"] == 0 and all(w["used_blocks"] == 0 for w in live):
-            return info
-        if time.monotonic() > end:
-            return info
-        time.sleep(0.2)
-
-
-def _reference(engine, prompts, params: SamplingParams) -> list[list[list[int]]]:
-    return [[c["token_ids"] for c in comp.choices] for comp in engine.generate(prompts, params)]
-
-
 def test_greedy_tokens_equal_local_engine(cluster, local_engine):
-    want = _reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    want = cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, ref in zip(PROMPTS, want):
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        got = _complete(cluster.port, body)
+        got = cc.complete(cluster.port, body)
         assert [c["token_ids"] for c in got["choices"]] == ref
         mig = got["pdserve"]["backend"]["migration"]
         assert mig["seqs"] == 1 and mig["bytes"] > 0 and mig["blocks"] >= 1
@@ -121,8 +60,8 @@ def test_greedy_tokens_equal_local_engine(cluster, local_engine):
 def test_sampled_n2_stream_continues_identically(cluster, local_engine):
     """Counter-based seeds: a sampled stream migrated after its first token equals the local one."""
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=1234, n=2, ignore_eos=True)
-    want = _reference(local_engine, [PROMPTS[2]], params)[0]
-    got = _complete(cluster.port, {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.9, "top_k": 50,
+    want = cc.reference(local_engine, [PROMPTS[2]], params)[0]
+    got = cc.complete(cluster.port, {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.9, "top_k": 50,
                                    "seed": 1234, "n": 2, "ignore_eos": True})
     assert [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])] == want
     assert got["pdserve"]["backend"]["migration"]["seqs"] == 2
@@ -130,26 +69,26 @@ def test_sampled_n2_stream_continues_identically(cluster, local_engine):
 
 def test_streaming_equals_non_streaming(cluster):
     body = {"prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    whole = _complete(cluster.port, body)
-    assert _stream(cluster.port, body) == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    whole = cc.complete(cluster.port, body)
+    assert cc.stream(cluster.port, body) == {c["index"]: c["token_ids"] for c in whole["choices"]}
 
 
 def test_first_token_only_request_finishes_on_prefill(cluster, local_engine):
-    want = _reference(local_engine, [PROMPTS[1]], SamplingParams(max_tokens=1))[0]
-    got = _complete(cluster.port, {"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0})
+    want = cc.reference(local_engine, [PROMPTS[1]], SamplingParams(max_tokens=1))[0]
+    got = cc.complete(cluster.port, {"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0})
     assert [c["token_ids"] for c in got["choices"]] == want
     assert got["pdserve"]["backend"]["decode_worker"] is None
 
 
 def test_concurrent_requests_complete_and_ledger_reconciles(cluster, local_engine):
     prompts = [[(i * 7 + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(32)]
-    want = _reference(local_engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    want = cc.reference(local_engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        futs = [pool.submit(_complete, cluster.port, {"prompt": p, "max_tokens": 10, "temperature": 0,
+        futs = [pool.submit(cc.complete, cluster.port, {"prompt": p, "max_tokens": 10, "temperature": 0,
                                                       "ignore_eos": True}) for p in prompts]
         got = [[c["token_ids"] for c in f.result(timeout=120)["choices"]] for f in futs]
     assert got == want
-    info = _wait_at_rest(cluster.port)
+    info = cc.wait_at_rest(cluster.port)
     assert info["ledger"]["active_requests"] == 0 and info["ledger"]["owned_blocks"] == 0
     assert info["ledger"]["failed"] == 0
     used = {w["name"]: w["used_blocks"] for w in info["workers"]}
@@ -163,11 +102,11 @@ def test_concurrent_requests_complete_and_ledger_reconciles(cluster, local_engin
 
 def test_client_disconnect_frees_blocks_everywhere(cluster):
     body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-    with _post(cluster.port, body) as r:
+    with cc.post(cluster.port, body) as r:
         for line in r:
             if line.startswith(b"data: {"):
                 break  # tokens are flowing: now hang up
-    info = _wait_at_rest(cluster.port)
+    info = cc.wait_at_rest(cluster.port)
     assert info["ledger"]["active_requests"] == 0
     assert all(w["used_blocks"] == 0 for w in info["workers"])
     assert info["ledger"]["failed"] >= 1  # the aborted request is recorded as failed, not finished
@@ -175,7 +114,7 @@ def test_client_disconnect_frees_blocks_everywhere(cluster):
 
 def test_bad_input_gets_400_and_server_stays_healthy(cluster):
     with pytest.raises(urllib.error.HTTPError) as e:
-        _complete(cluster.port, {"prompt": [5, 6, 99999], "max_tokens": 4})
+        cc.complete(cluster.port, {"prompt": [5, 6, 99999], "max_tokens": 4})
     assert e.value.code == 400
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port}/health", timeout=10) as r:
         assert r.status == 200
@@ -189,11 +128,11 @@ def test_dead_decode_worker_fails_its_stream_and_new_requests_get_503(ray_local)
     srv = ClusterServer(ClusterConfig(prefill=1, decode=1, num_blocks=128, heartbeat_timeout_s=3.0))
     try:
         port = srv.start()
-        assert len(_complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})["choices"][0]["token_ids"]) == 3
+        assert len(cc.complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})["choices"][0]["token_ids"]) == 3
         body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         lines: list[str] = []
-        with _post(port, body) as r:
+        with cc.post(port, body) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if line.startswith("data: {") and not lines:
@@ -204,7 +143,7 @@ def test_dead_decode_worker_fails_its_stream_and_new_requests_get_503(ray_local)
         err = json.loads(lines[-2])
         assert "error" in err and "decode-0" in err["error"]["message"]
         with pytest.raises(urllib.error.HTTPError) as e:
-            _complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})
+            cc.complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})
         assert e.value.code == 503
         assert "no live decode worker" in json.loads(e.value.read())["error"]["message"]
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -225,14 +164,14 @@ def test_wedged_prefill_worker_requests_rerun_on_another(ray_local, local_engine
         import ray
 
         ray.get(srv.backend.workers["prefill-0"].handle.inject_fault.remote("hang"), timeout=30)
-        want = _reference(local_engine, PROMPTS[:2], SamplingParams(max_tokens=6, ignore_eos=True))
+        want = cc.reference(local_engine, PROMPTS[:2], SamplingParams(max_tokens=6, ignore_eos=True))
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(_complete, port, {"prompt": p, "max_tokens": 6, "temperature": 0,
+            futs = [pool.submit(cc.complete, port, {"prompt": p, "max_tokens": 6, "temperature": 0,
                                                   "ignore_eos": True}) for p in PROMPTS[:2]]
             got = [f.result(timeout=120) for f in futs]
         assert [[c["token_ids"] for c in g["choices"]] for g in got] == want
         assert {g["pdserve"]["backend"]["prefill_worker"] for g in got} == {"prefill-1"}
-        info = _wait_at_rest(port)
+        info = cc.wait_at_rest(port)
         assert info["ledger"]["active_requests"] == 0 and info["ledger"]["failed"] == 0
         alive = {w["name"]: w["alive"] for w in info["workers"]}
         assert alive == {"prefill-0": False, "prefill-1": True, "decode-0": True}
@@ -250,11 +189,11 @@ def test_decode_worker_killed_mid_decode_stream_resumes_without_gaps(ray_local, 
     try:
         port = srv.start()
         params = {"max_tokens": 150, "temperature": 0.9, "top_k": 40, "seed": 99, "ignore_eos": True}
-        want = _reference(local_engine, [PROMPTS[2]], SamplingParams(**params))[0][0]
+        want = cc.reference(local_engine, [PROMPTS[2]], SamplingParams(**params))[0][0]
         ids: list[int] = []
         final = None
         killed = None
-        with _post(port, {"prompt": PROMPTS[2], "stream": True, **params}) as r:
+        with cc.post(port, {"prompt": PROMPTS[2], "stream": True, **params}) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: {"):
@@ -270,7 +209,7 @@ def test_decode_worker_killed_mid_decode_stream_resumes_without_gaps(ray_local, 
                     ray.kill(srv.backend.workers[killed].handle, no_restart=True)
         assert ids == want
         assert final["backend"]["resumed"] == 1 and final["backend"]["decode_worker"] not in (None, killed)
-        info = _wait_at_rest(port)
+        info = cc.wait_at_rest(port)
         assert info["ledger"]["active_requests"] == 0 and info["ledger"]["failed"] == 0
         assert all(w["used_blocks"] == 0 for w in info["workers"] if w["alive"])
     finally:
@@ -290,30 +229,30 @@ def test_decode_worker_wedged_during_transfer_request_moves_to_another(ray_local
         ray.get(srv.backend.workers["decode-0"].handle.inject_fault.remote("hang"), timeout=30)
         greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
         sampled = {"max_tokens": 8, "temperature": 0.8, "seed": 5, "n": 2, "ignore_eos": True}
-        want = [_reference(local_engine, [PROMPTS[1]], SamplingParams(**greedy))[0],
-                _reference(local_engine, [PROMPTS[3]], SamplingParams(**sampled))[0]]
+        want = [cc.reference(local_engine, [PROMPTS[1]], SamplingParams(**greedy))[0],
+                cc.reference(local_engine, [PROMPTS[3]], SamplingParams(**sampled))[0]]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(_complete, port, {"prompt": PROMPTS[1], **greedy}),
-                    pool.submit(_complete, port, {"prompt": PROMPTS[3], **sampled})]
+            futs = [pool.submit(cc.complete, port, {"prompt": PROMPTS[1], **greedy}),
+                    pool.submit(cc.complete, port, {"prompt": PROMPTS[3], **sampled})]
             got = [f.result(timeout=120) for f in futs]
         assert [[c["token_ids"] for c in sorted(g["choices"], key=lambda c: c["index"])] for g in got] == want
         backends = [g["pdserve"]["backend"] for g in got]
         assert {b["decode_worker"] for b in backends} == {"decode-1"}
         assert sum(b["resumed"] for b in backends) == 1
-        info = _wait_at_rest(port)
+        info = cc.wait_at_rest(port)
         assert info["ledger"]["active_requests"] == 0 and info["ledger"]["failed"] == 0
     finally:
         srv.stop()
 
 
 def test_metrics_and_cluster_info_describe_the_workers(cluster):
-    _complete(cluster.port, {"prompt": PROMPTS[2], "max_tokens": 3, "temperature": 0})
+    cc.complete(cluster.port, {"prompt": PROMPTS[2], "max_tokens": 3, "temperature": 0})
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port}/metrics", timeout=10) as r:
         text = r.read().decode()
     transport = cluster.backend.config.transport
     assert f'pdserve_migration_latency_seconds_count{{transport="{transport}"}}' in text
     assert 'pdserve_pool_blocks{role="decode",state="total",worker="decode-0"}' in text
-    info = _cluster_info(cluster.port)
+    info = cc.cluster_info(cluster.port)
     assert info["transport"] == transport and info["mode"] == "cluster"
     sizes = {w["role"]: w["block_size"] for w in info["workers"]}
     cfg = cluster.backend.config
@@ -361,7 +300,7 @@ def test_repeated_prompt_sends_only_blocks_the_decode_side_lacks(cluster):
     later migrations of that prompt to it reuse them instead of sending them again."""
     prompt = [(j * 13) % 250 + 1 for j in range(70)]
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
-    migs = [_complete(cluster.port, body)["pdserve"]["backend"]["migration"] for _ in range(3)]
+    migs = [cc.complete(cluster.port, body)["pdserve"]["backend"]["migration"] for _ in range(3)]
     assert migs[0]["reused"] == 0
     assert max(m["reused"] for m in migs[1:]) > 0
     assert min(m["bytes"] for m in migs[1:]) < migs[0]["bytes"]

@@ -21,6 +21,8 @@ import pytest
 
 pytest.importorskip("ray")
 
+import cluster_client as cc  # noqa: E402
+
 from coordinator.cluster import ClusterConfig  # noqa: E402
 from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -44,29 +46,6 @@ def cluster():
         stop_ray(started)
 
 
-def _complete(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
-def _get(port: int, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-        return r.read()
-
-
-def _wait_at_rest(port: int, deadline_s: float = 20.0) -> dict:
-    """/v1/cluster once no request is active and no worker holds a used or reserved block (bounded)."""
-    end = time.monotonic() + deadline_s
-    while True:
-        info = json.loads(_get(port, "/v1/cluster"))
-        quiet = all(w["used_blocks"] == 0 and w.get("reserved_blocks", 0) == 0 for w in info["workers"])
-        if (info["ledger"]["active_requests"] == 0 and quiet) or time.monotonic() > end:
-            return info
-        time.sleep(0.2)
-
-
 def test_overload_waits_for_room_and_every_request_completes(cluster):
     prompts = [[(i * 17 + j * 3) % 250 + 1 for j in range(40)] for i in range(10)]
     engine = LLMEngine(EngineConfig(model="tiny"))
@@ -74,16 +53,16 @@ def test_overload_waits_for_room_and_every_request_completes(cluster):
             for comp in engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))]
     body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futs = [pool.submit(_complete, cluster.port, {"prompt": p, **body}) for p in prompts]
+        futs = [pool.submit(cc.complete, cluster.port, {"prompt": p, **body}) for p in prompts]
         got = [f.result(timeout=180) for f in futs]
     assert [[c["token_ids"] for c in g["choices"]] for g in got] == want
     assert {g["pdserve"]["backend"]["decode_worker"] for g in got} == {"decode-0", "decode-1"}
 
-    text = _get(cluster.port, "/metrics").decode()
+    text = cc.get(cluster.port, "/metrics").decode()
     refusals = [float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("pdserve_backpressure_refusals_total{")]
     assert refusals and sum(refusals) > 0  # some requests found both decode pools full and waited
-    info = _wait_at_rest(cluster.port)
+    info = cc.wait_at_rest(cluster.port)
     decode = [w for w in info["workers"] if w["role"] == "decode"]
     assert sum(w["refused_reservations"] for w in decode) == sum(refusals)
     assert all(w["total_blocks"] == 8 and w["preemptions"] == 0 for w in decode)  # never overflowed
@@ -96,10 +75,10 @@ def test_overload_waits_for_room_and_every_request_completes(cluster):
 def test_request_larger_than_every_decode_pool_is_refused_with_400(cluster):
     """200 prompt tokens need ceil(201/16) + 1 = 14 blocks on import: no 8-block pool ever fits."""
     with pytest.raises(urllib.error.HTTPError) as e:
-        _complete(cluster.port, {"prompt": [5] * 200, "max_tokens": 4, "temperature": 0})
+        cc.complete(cluster.port, {"prompt": [5] * 200, "max_tokens": 4, "temperature": 0})
     assert e.value.code == 400
     assert "exceed every decode worker's KV pool" in json.loads(e.value.read())["error"]["message"]
-    info = _wait_at_rest(cluster.port)
+    info = cc.wait_at_rest(cluster.port)
     assert info["ledger"]["active_requests"] == 0
     assert all(w["used_blocks"] == 0 and w.get("reserved_blocks", 0) == 0 for w in info["workers"])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -19,26 +18,15 @@ import pytest
 
 pytest.importorskip("ray")
 
+import cluster_client as cc  # noqa: E402
+
 from coordinator.cluster import ClusterConfig  # noqa: E402
-from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
-from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from deploy.launch import ClusterServer  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [list(range(1, 6)), list(range(10, 26)), list(range(30, 63)), [7, 8, 9] * 17]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    started = start_ray(RayConfig(num_cpus=2))
-    yield
-    stop_ray(started)
-
-
-@pytest.fixture(scope="module")
-def local_engine():
-    return LLMEngine(EngineConfig(model="tiny"))
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda k: f"colocated{k}")
@@ -51,58 +39,12 @@ def cluster(request, ray_local):
         srv.stop()
 
 
-def _post(port: int, body: dict, timeout: float = 60.0):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout)
-
-
-def _complete(port: int, body: dict) -> dict:
-    with _post(port, body) as r:
-        return json.loads(r.read())
-
-
-def _stream(port: int, body: dict) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    with _post(port, {**body, "stream": True}) as r:
-        for line in r:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                return out
-            if line.startswith("data: "):
-                for c in json.loads(line[6:])["choices"]:
-                    out.setdefault(c["index"], []).extend(c.get("token_ids") or [])
-    raise AssertionError("stream ended without [DONE]")
-
-
-def _get(port: int, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-        return r.read()
-
-
-def _wait_at_rest(port: int, deadline_s: float = 20.0) -> dict:
-    """/v1/cluster once no request is active and no live worker holds a used block (bounded)."""
-    end = time.monotonic() + deadline_s
-    while True:
-        info = json.loads(_get(port, "/v1/cluster"))
-        live = [w for w in info["workers"] if w["alive"]]
-        if info["ledger"]["active_requests"] == 0 and all(w["used_blocks"] == 0 for w in live):
-            return info
-        if time.monotonic() > end:
-            return info
-        time.sleep(0.2)
-
-
-def _reference(engine, prompts, params: SamplingParams) -> list[list[list[int]]]:
-    return [[c["token_ids"] for c in comp.choices] for comp in engine.generate(prompts, params)]
-
-
 def test_greedy_tokens_equal_local_engine_and_nothing_migrates(cluster, local_engine):
-    want = _reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    want = cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     workers = set()
     for prompt, ref in zip(PROMPTS, want):
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        got = _complete(cluster.port, body)
+        got = cc.complete(cluster.port, body)
         assert [c["token_ids"] for c in got["choices"]] == ref
         backend = got["pdserve"]["backend"]
         assert "migration" not in backend and backend["role"] == "colocated"
@@ -113,27 +55,27 @@ def test_greedy_tokens_equal_local_engine_and_nothing_migrates(cluster, local_en
 
 def test_sampled_n2_equals_local_engine(cluster, local_engine):
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=1234, n=2, ignore_eos=True)
-    want = _reference(local_engine, [PROMPTS[2]], params)[0]
-    got = _complete(cluster.port, {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.9, "top_k": 50,
+    want = cc.reference(local_engine, [PROMPTS[2]], params)[0]
+    got = cc.complete(cluster.port, {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.9, "top_k": 50,
                                    "seed": 1234, "n": 2, "ignore_eos": True})
     assert [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])] == want
 
 
 def test_streaming_equals_non_streaming(cluster):
     body = {"prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    whole = _complete(cluster.port, body)
-    assert _stream(cluster.port, body) == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    whole = cc.complete(cluster.port, body)
+    assert cc.stream(cluster.port, body) == {c["index"]: c["token_ids"] for c in whole["choices"]}
 
 
 def test_concurrent_requests_complete_and_ledger_is_at_rest(cluster, local_engine):
     prompts = [[(i * 11 + j) % 250 + 1 for j in range(6 + 4 * i)] for i in range(8)]
-    want = _reference(local_engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    want = cc.reference(local_engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(_complete, cluster.port, {"prompt": p, "max_tokens": 10, "temperature": 0,
+        futs = [pool.submit(cc.complete, cluster.port, {"prompt": p, "max_tokens": 10, "temperature": 0,
                                                       "ignore_eos": True}) for p in prompts]
         got = [[c["token_ids"] for c in f.result(timeout=120)["choices"]] for f in futs]
     assert got == want
-    info = _wait_at_rest(cluster.port)
+    info = cc.wait_at_rest(cluster.port)
     assert info["mode"] == "colocated"
     assert info["ledger"]["active_requests"] == 0 and info["ledger"]["owned_blocks"] == 0
     assert info["ledger"]["failed"] == 0 and info["ledger"]["finished"] >= 8
@@ -144,8 +86,8 @@ def test_concurrent_requests_complete_and_ledger_is_at_rest(cluster, local_engin
 
 
 def test_metrics_report_ttft_and_colocated_pools(cluster):
-    _complete(cluster.port, {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0})
-    text = _get(cluster.port, "/metrics").decode()
+    cc.complete(cluster.port, {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0})
+    text = cc.get(cluster.port, "/metrics").decode()
     ttft = "pdserve_time_to_first_token_seconds_count"
     count = [line for line in text.splitlines() if line.startswith(ttft)]
     assert count and float(count[0].split()[-1]) >= 1
@@ -156,11 +98,11 @@ def test_metrics_report_ttft_and_colocated_pools(cluster):
 def test_client_disconnect_frees_blocks(cluster):
     body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     before = cluster.backend.ledger.summary()["failed"]
-    with _post(cluster.port, body) as r:
+    with cc.post(cluster.port, body) as r:
         for line in r:
             if line.startswith(b"data: {"):
                 break  # tokens are flowing: now hang up
-    info = _wait_at_rest(cluster.port)
+    info = cc.wait_at_rest(cluster.port)
     assert info["ledger"]["active_requests"] == 0 and info["ledger"]["failed"] == before + 1
     assert all(w["used_blocks"] == 0 for w in info["workers"])
 
@@ -174,7 +116,7 @@ def test_dead_colocated_worker_fails_its_stream_and_new_requests_get_503(ray_loc
         body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         lines: list[str] = []
-        with _post(port, body) as r:
+        with cc.post(port, body) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if line.startswith("data: {") and not lines:
@@ -185,7 +127,7 @@ def test_dead_colocated_worker_fails_its_stream_and_new_requests_get_503(ray_loc
         err = json.loads(lines[-2])
         assert "colocated worker colocated-0 stopped responding" in err["error"]["message"]
         with pytest.raises(urllib.error.HTTPError) as e:
-            _complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})
+            cc.complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})
         assert e.value.code == 503
         assert "no live colocated worker" in json.loads(e.value.read())["error"]["message"]
         assert srv.backend.ledger.summary()["active_requests"] == 0

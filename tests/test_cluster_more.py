@@ -20,27 +20,20 @@ import pytest
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+import cluster_client as cc  # noqa: E402
+
 from coordinator.cluster import ClusterBackend, ClusterConfig  # noqa: E402
 from coordinator.router import Router  # noqa: E402
-from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
-from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from deploy.launch import ClusterServer  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG = ClusterConfig(prefill=2, decode=2, num_blocks=128, routing="prefix_aware", heartbeat_timeout_s=3.0)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    started = start_ray(RayConfig(num_cpus=2))
-    yield
-    stop_ray(started)
-
-
-@pytest.fixture(scope="module")
-def local_engine():
-    return LLMEngine(EngineConfig(model="tiny"))
+# A wedged decode worker must still look alive when the next request is routed to it, so that the
+# migration (timeout 0.6 x heartbeat) fails first and the held blocks are re-sent: 6 s leaves room
+# for a loaded machine.
+CONFIG = ClusterConfig(prefill=2, decode=2, num_blocks=128, routing="prefix_aware", heartbeat_timeout_s=6.0)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +46,8 @@ def cluster(ray_local):
         srv.stop()
 
 
-def _complete(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
-
-
-def _cluster_info(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/cluster", timeout=10) as r:
-        return json.loads(r.read())
-
-
 def _workers(port: int) -> dict[str, dict]:
-    return {w["name"]: w for w in _cluster_info(port)["workers"]}
+    return {w["name"]: w for w in cc.cluster_info(port)["workers"]}
 
 
 def _poll(port: int, ok, deadline_s: float = 20.0) -> dict[str, dict]:
@@ -160,9 +141,9 @@ def test_prefix_aware_routing_reuses_the_prefix_cache_and_round_robin_alternates
     prefix = [(j * 11) % 250 + 1 for j in range(80)]  # 5 full blocks of 16
     bodies = [{"prompt": prefix + tail, "max_tokens": 2, "temperature": 0}
               for tail in ([3, 4, 5], [9, 8, 7, 6])]
-    first = _complete(port, bodies[0])["pdserve"]["backend"]["prefill_worker"]
+    first = cc.complete(port, bodies[0])["pdserve"]["backend"]["prefill_worker"]
     before = _poll(port, lambda ws: ws[first]["active_requests"] == 0)[first]
-    second = _complete(port, bodies[1])["pdserve"]["backend"]["prefill_worker"]
+    second = cc.complete(port, bodies[1])["pdserve"]["backend"]["prefill_worker"]
     assert second == first
     after = _poll(port, lambda ws: ws[first]["prefills"] > before["prefills"])[first]
     assert after["prefills"] == before["prefills"] + 1
@@ -171,7 +152,7 @@ def test_prefix_aware_routing_reuses_the_prefix_cache_and_round_robin_alternates
     _set_router(cluster, "prefill", "round_robin")
     try:
         other = [(j * 17) % 250 + 1 for j in range(80)]
-        got = [_complete(port, {"prompt": other + [t], "max_tokens": 2, "temperature": 0})
+        got = [cc.complete(port, {"prompt": other + [t], "max_tokens": 2, "temperature": 0})
                ["pdserve"]["backend"]["prefill_worker"] for t in (1, 2, 3, 4)]
     finally:
         _set_router(cluster, "prefill", CONFIG.routing)
@@ -195,10 +176,10 @@ def _check_resend(cluster: ClusterServer, local_engine: LLMEngine) -> None:
     _set_router(cluster, "decode", "round_robin")  # a fresh cycle: the next request goes to decode-0
     idle = _poll(port, lambda ws: all(w["active_requests"] == 0 for w in ws.values()))
     prefills = sum(w["prefills"] for w in idle.values() if w["role"] == "prefill")
-    failed = _cluster_info(port)["ledger"]["failed"]
+    failed = cc.cluster_info(port)["ledger"]["failed"]
     ray.get(backend.workers["decode-0"].handle.inject_fault.remote("hang"), timeout=30)
 
-    got = _complete(port, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    got = cc.complete(port, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert got["choices"][0]["token_ids"] == want
     info = got["pdserve"]["backend"]
     assert info["resent"] == 1 and info["decode_worker"] == "decode-1"
@@ -216,7 +197,7 @@ def _check_resend(cluster: ClusterServer, local_engine: LLMEngine) -> None:
     live = {n: w["used_blocks"] for n, w in ws.items() if n != "decode-0"}
     assert live == {n: 0 for n in live}
     assert all(w["held_for_resend"] == 0 and w["leases"] == 0 for w in ws.values() if w["role"] == "prefill")
-    ledger = _cluster_info(port)["ledger"]
+    ledger = cc.cluster_info(port)["ledger"]
     assert ledger["active_requests"] == 0 and ledger["owned_blocks"] == 0 and ledger["failed"] == failed
     assert backend.ledger.reconcile(live) == {}
 
@@ -228,10 +209,10 @@ def test_no_decode_worker_can_take_the_held_blocks_503_and_they_are_released(clu
     import ray
 
     port, backend = cluster.port, cluster.backend
-    failed = _cluster_info(port)["ledger"]["failed"]
+    failed = cc.cluster_info(port)["ledger"]["failed"]
     ray.get(backend.workers["decode-1"].handle.inject_fault.remote("hang"), timeout=30)
     with pytest.raises(urllib.error.HTTPError) as e:
-        _complete(port, {"prompt": list(range(40, 90)), "max_tokens": 8, "temperature": 0})
+        cc.complete(port, {"prompt": list(range(40, 90)), "max_tokens": 8, "temperature": 0})
     body = json.loads(e.value.read())
     assert e.value.code == 503, body
     msg = body["error"]["message"]
@@ -240,7 +221,7 @@ def test_no_decode_worker_can_take_the_held_blocks_503_and_they_are_released(clu
                                     for w in ws.values() if w["role"] == "prefill"))
     prefill = [w for w in ws.values() if w["role"] == "prefill"]
     assert [(w["used_blocks"], w["held_for_resend"], w["leases"]) for w in prefill] == [(0, 0, 0)] * 2
-    ledger = _cluster_info(port)["ledger"]
+    ledger = cc.cluster_info(port)["ledger"]
     assert ledger["active_requests"] == 0 and ledger["failed"] == failed + 1
 
 
