@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import msgpack
 
-from transfer.errors import LimitExceeded, MalformedMessage, ProtocolVersionError
-from transfer.messages import MESSAGE_KINDS, PROTOCOL_VERSION
+from transfer.errors import (
+    LimitExceeded,
+    MalformedMessage,
+    ProtocolVersionError,
+    TransferError,
+    error_from_code,
+)
+from transfer.messages import MESSAGE_KINDS, PROTOCOL_VERSION, Nack
 from transfer.schema import Limits
 
 DEFAULT_LIMITS = Limits()
@@ -61,3 +67,17 @@ def decode_manifest(data, limits: Limits = DEFAULT_LIMITS):
     from transfer.messages import Manifest
 
     return decode(data, limits, Manifest)
+
+
+def decode_reply(data, cls, limits: Limits, metrics):
+    """A receiver's answer of type `cls`; a Nack becomes its typed error. Every error is counted."""
+    try:
+        msg = decode(data, limits, (cls, Nack))
+    except TransferError as e:
+        metrics.record_error(e)
+        raise
+    if isinstance(msg, Nack):
+        err = error_from_code(msg.code, msg.message)
+        metrics.record_error(err)
+        raise err
+    return msg

@@ -20,14 +20,13 @@ import uuid
 import numpy as np
 
 from transfer.blocks import prefix_hashes_at
-from transfer.codec import decode, encode
+from transfer.codec import decode, decode_reply, encode
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     HandshakeRequired,
     MalformedMessage,
     TransferError,
     TransferTimeout,
-    error_from_code,
 )
 from transfer.export import ExportedSequence
 from transfer.importer import import_sequence
@@ -120,23 +119,11 @@ class RaySender:
         self.metrics.record_error(err)
         raise err
 
-    def _reply(self, data: bytes, cls):
-        try:
-            msg = decode(data, self.config.limits, (cls, Nack))
-        except TransferError as e:
-            self.metrics.record_error(e)
-            raise
-        if isinstance(msg, Nack):
-            err = error_from_code(msg.code, msg.message)
-            self.metrics.record_error(err)
-            raise err
-        return msg
-
     def connect(self, timeout: float | None = None) -> CompatPlan:
         hello = encode(Hello(self.fingerprint, self.config.peer_name))
         data = self._get(self.actor.kv_hello.remote(self.conn, hello),
                          timeout or self.config.connect_timeout_s, "handshake reply")
-        reply = self._reply(data, HelloReply)
+        reply = _reply_of(self, data, HelloReply)
         try:
             self.plan = check_compatible(self.fingerprint, reply.fingerprint)
         except TransferError as e:
@@ -151,8 +138,9 @@ class RaySender:
         if not hashes:
             return []
         q = encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))
-        held = self._reply(self._get(self.actor.kv_query.remote(q), timeout or self.config.connect_timeout_s,
-                                     "dedupe reply"), Held).held
+        data = self._get(self.actor.kv_query.remote(q), timeout or self.config.connect_timeout_s,
+                         "dedupe reply")
+        held = _reply_of(self, data, Held).held
         if any(not 0 <= i < len(hashes) for i in held):
             err = MalformedMessage("dedupe reply names blocks outside the query")
             self.metrics.record_error(err)
@@ -172,7 +160,7 @@ class RaySender:
                                             *(np.frombuffer(f, dtype=np.uint8) for f in exported.frames))
         data = self._get(call, timeout or self.config.transfer_timeout_s, "ack")  # timeout: lease kept
         try:
-            ack = self._reply(data, Ack)
+            ack = _reply_of(self, data, Ack)
         finally:
             exported.release()
         self.metrics.add("transfers")
@@ -221,3 +209,7 @@ class PoolReceiver(RayReceiverEndpoint):
                 "tables": len(self.manager.tables),
                 "metrics": self.metrics.snapshot(),
                 "timings": dict(self.last_result.timings) if self.last_result else {}}
+
+
+def _reply_of(sender, data: bytes, cls):
+    return decode_reply(data, cls, sender.config.limits, sender.metrics)

@@ -14,11 +14,10 @@ import zmq
 
 from transfer.blocks import prefix_hashes_at
 from transfer.checksum import checksum
-from transfer.codec import decode, encode
+from transfer.codec import decode_reply, encode
 from transfer.errors import MalformedMessage, TransferError, TransferTimeout
-from transfer.errors import error_from_code as _remote
 from transfer.export import ExportedSequence
-from transfer.messages import Ack, Held, Hello, HelloReply, Nack, Query
+from transfer.messages import Ack, Held, Hello, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.transport import TransportConfig, migrate
@@ -78,25 +77,13 @@ class ZmqSender:
             if got is not None:
                 return got
 
-    def _decode_reply(self, body: bytes, cls):
-        try:
-            msg = decode(body, self.config.limits, (cls, Nack))
-        except TransferError as e:
-            self.metrics.record_error(e)
-            raise
-        if isinstance(msg, Nack):
-            err = _remote(msg.code, msg.message)
-            self.metrics.record_error(err)
-            raise err
-        return msg
-
     # ---- contract -----------------------------------------------------------------------------
     def connect(self, timeout: float | None = None) -> CompatPlan:
         """Handshake: exchange layout fingerprints once; FingerprintMismatch if incompatible."""
         deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
         self.sock.send_multipart([b"H", encode(Hello(self.fingerprint, self.config.peer_name))])
         _, body = self._wait((b"h",), deadline, "handshake reply")
-        reply = self._decode_reply(body, HelloReply)
+        reply = _reply_of(self, body, HelloReply)
         try:
             self.plan = check_compatible(self.fingerprint, reply.fingerprint)
         except TransferError as e:
@@ -114,7 +101,7 @@ class ZmqSender:
         deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
         self.sock.send_multipart([b"Q", encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))])
         _, body = self._wait((b"q",), deadline, "dedupe reply")
-        held = self._decode_reply(body, Held).held
+        held = _reply_of(self, body, Held).held
         if any(not 0 <= i < len(hashes) for i in held):
             err = MalformedMessage("dedupe reply names blocks outside the query")
             self.metrics.record_error(err)
@@ -153,7 +140,7 @@ class ZmqSender:
         if reply is None:
             reply = self._wait((ack_header,), deadline, "ack")
         try:
-            ack = self._decode_reply(reply[1], Ack)
+            ack = _reply_of(self, reply[1], Ack)
         finally:
             exported.release()  # the receiver answered: it no longer reads our blocks
         self.metrics.add("transfers")
@@ -165,3 +152,7 @@ class ZmqSender:
         """Dedupe query, export, send; see `transport.migrate`."""
         return migrate(self, manager, seq_id, request_id, epoch, state, dedupe=dedupe, leases=leases,
                        timeout=timeout, checksum_mode=self.config.checksum_mode)
+
+
+def _reply_of(sender, data: bytes, cls):
+    return decode_reply(data, cls, sender.config.limits, sender.metrics)
