@@ -317,7 +317,8 @@ class ClusterBackend(FailoverMixin):
             for w in loads:
                 handle = self.workers[w.worker_id].handle
                 try:
-                    ok = await _call(handle.reserve.remote(st.rid, epoch, tokens, st.n), c.call_timeout_s)
+                    call = handle.reserve.remote(st.rid, epoch, tokens, st.n, st.prefill)
+                    ok = await _call(call, c.call_timeout_s)
                 except asyncio.TimeoutError:
                     raise Timeout(f"decode worker {w.worker_id} did not answer within {c.call_timeout_s}s") \
                         from None

@@ -3,8 +3,8 @@
 A background thread owns the engine and the receiver (every pool call happens on it). Each
 iteration it serves the receiver briefly (handshakes, dedupe queries, imports), turns each
 committed import into a `Sequence` and joins it to the continuous batch with `add_imported`
-(only when its epoch is the one the coordinator registered for that request with `expect`;
-a stale or unexpected import is freed at once), steps the engine, and pushes that step's
+(only when its epoch is the one the coordinator registered for that request with `reserve`;
+a stale or aborted import is freed at once, uncached), steps the engine, and pushes that step's
 tokens to the coordinator as ONE msgpack message over ZeroMQ (not a Ray call per token).
 
 Each migrated sequence travels under the transfer id "<request id>/<choice index>" and runs
@@ -13,12 +13,14 @@ identical to a colocated run). With the Ray transport the sender calls this acto
 methods; they are forwarded to the loop thread.
 
 Credit-based backpressure: before a request is prefilled for this worker the coordinator calls
-`reserve(rid, epoch, num_tokens, n)`. It admits (and registers the epoch, as `expect` does) only
+`reserve(rid, epoch, num_tokens, n, sender)`. It admits (and registers the epoch) only
 if free + evictable (prefix-cache) blocks minus blocks already reserved can hold the n imported
 sequences of num_tokens tokens plus one block of growth each; otherwise it returns False and the
 coordinator picks another worker or waits. A reservation is consumed as its sequences are
 imported, and released on abort, on a newer reservation for the request, or after
-`reserve_ttl_s` (a prefill that never came), so credits never leak.
+`reserve_ttl_s` (a prefill that never came), so credits never leak. The reservation is also the
+receiver's admission (transfer.admission): a manifest or a dedupe query that no live
+reservation names, for that epoch and from that sender, is refused before a block is allocated.
 
 Event kinds: tok {rid, i, s, t, f} as from the prefill worker; imp {rid, i, blocks, ms} an
 import joined the batch; stale {rid, epoch, expected} an import refused.
@@ -32,7 +34,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefill_worker.worker import EventPusher  # the same event socket for every role
 
@@ -62,6 +64,23 @@ class DecodeWorkerConfig:
     reserve_ttl_s: float = 60.0
 
 
+@dataclass
+class Reservation:
+    """Credit for one request's coming migration (see `DecodeWorker.reserve`)."""
+
+    epoch: int                # the migration epoch the coordinator issued
+    sender: str               # the prefill worker that will send it
+    blocks_left: int          # credit not yet turned into imported blocks
+    blocks_per_sequence: int  # prompt blocks + one block of growth
+    n: int                    # sequences (choices) the request migrates
+    deadline: float           # monotonic time after which the credit is released
+    sequences_left: int = field(default=-1)
+
+    def __post_init__(self) -> None:
+        if self.sequences_left < 0:
+            self.sequences_left = self.n
+
+
 class DecodeWorker:
     """Actor body: `ray.remote(DecodeWorker).options(name=...).remote(config_dict)`."""
 
@@ -81,11 +100,11 @@ class DecodeWorker:
         tc = TransportConfig(address=tcp_address(_bind_host(self.cfg.kv_host), 0), peer_name=self.cfg.name)
         if self.cfg.transport == "zmq":
             from transfer.zmq_transport import ZmqReceiver
-            self.receiver = ZmqReceiver(self.engine.kv, tc)
+            self.receiver = ZmqReceiver(self.engine.kv, tc, admission=self)
             self.address = self.receiver.address
         else:
             from transfer.ray_transport import RayReceiverEndpoint
-            self.receiver = RayReceiverEndpoint(self.engine.kv, tc)
+            self.receiver = RayReceiverEndpoint(self.engine.kv, tc, admission=self)
             self.address = f"ray://{self.cfg.name}"
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._expected: OrderedDict[str, list] = OrderedDict()  # rid -> [epoch, set of transfer ids]
@@ -94,8 +113,7 @@ class DecodeWorker:
         self.failed: str | None = None
         self.refused = 0
         self._lock = threading.Lock()  # guards the credits below and the snapshot they are judged on
-        # rid -> [epoch, blocks left, blocks per sequence, sequences left, deadline]
-        self._reserved: dict[str, list] = {}
+        self._reserved: dict[str, Reservation] = {}
         self._imports: list[tuple[str, int]] = []  # (rid, epoch) imported since the last snapshot
         self.refused_reservations = 0
         self._stats = self._snapshot()
@@ -108,13 +126,10 @@ class DecodeWorker:
                 "fingerprint": self.engine.storage.layout.fingerprint(),
                 "block_size": self.engine.config.block_size, "model": self.engine.config.model}
 
-    def expect(self, rid: str, epoch: int) -> None:
-        """The coordinator registers the migration epoch of a request routed here."""
-        self._cmds.put(("expect", rid, int(epoch), None))
-
-    def reserve(self, rid: str, epoch: int, num_tokens: int, n: int = 1) -> bool:
-        """Admit a request's coming migration (n sequences of num_tokens tokens) if room is left for it
-        plus one block of growth per sequence; on success its epoch is registered (see `expect`)."""
+    def reserve(self, rid: str, epoch: int, num_tokens: int, n: int = 1, sender: str = "") -> bool:
+        """Admit a request's coming migration (n sequences of num_tokens tokens, from prefill worker
+        `sender`) if room is left for it plus one block of growth per sequence. Only a reserved
+        (request, epoch, sender) may send KV here or ask which blocks this worker holds."""
         if num_tokens < 1 or n < 1:
             raise ValueError(f"reserve needs num_tokens >= 1 and n >= 1, got {num_tokens}, {n}")
         per_seq = -(-int(num_tokens) // self.engine.config.block_size) + 1
@@ -125,10 +140,27 @@ class DecodeWorker:
             if n * per_seq > room:
                 self.refused_reservations += 1
                 return False
-            self._reserved[rid] = [int(epoch), n * per_seq, per_seq, int(n),
-                                   time.monotonic() + self.cfg.reserve_ttl_s]
+            self._reserved[rid] = Reservation(int(epoch), str(sender), n * per_seq, per_seq, int(n),
+                                              time.monotonic() + self.cfg.reserve_ttl_s)
         self._cmds.put(("expect", rid, int(epoch), None))  # queued before any import can arrive
         return True
+
+    # ---- admission (transfer.admission), asked on the loop thread before anything is allocated ----
+    def _reservation_for(self, transfer_id: str, peer: str):
+        rid, _, idx = transfer_id.rpartition("/")
+        r = self._reserved.get(rid)
+        ok = r is not None and r.sender == peer and idx.isdigit() and int(idx) < r.n \
+            and r.deadline > time.monotonic()
+        return r if ok else None
+
+    def admit_transfer(self, transfer_id: str, epoch: int, peer: str) -> bool:
+        with self._lock:
+            r = self._reservation_for(transfer_id, peer)
+            return r is not None and r.epoch == epoch
+
+    def admit_query(self, transfer_id: str, peer: str) -> bool:
+        with self._lock:
+            return self._reservation_for(transfer_id, peer) is not None
 
     def abort(self, rid: str) -> None:
         """Drop a request (any of its sequences, its registration, its credit); idempotent."""
@@ -154,8 +186,8 @@ class DecodeWorker:
     def kv_hello(self, conn: str, data: bytes) -> bytes:
         return self._on_loop("kv", "kv_hello", conn, data)
 
-    def kv_query(self, data: bytes) -> bytes:
-        return self._on_loop("kv", "kv_query", data)
+    def kv_query(self, conn: str, data: bytes) -> bytes:
+        return self._on_loop("kv", "kv_query", conn, data)
 
     def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
         return self._on_loop("kv", "kv_receive", conn, manifest, *frames)
@@ -238,21 +270,21 @@ class DecodeWorker:
                 fut.set_exception(e)
 
     def _reserved_blocks(self) -> int:
-        return sum(r[1] for r in self._reserved.values())
+        return sum(r.blocks_left for r in self._reserved.values())
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for rid in [rid for rid, r in self._reserved.items() if r[4] < now]:
+        for rid in [rid for rid, r in self._reserved.items() if r.deadline < now]:
             del self._reserved[rid]
 
     def _consume(self) -> None:
         """Sequences imported since the last snapshot: their credit became real blocks (lock held)."""
         for rid, epoch in self._imports:
             r = self._reserved.get(rid)
-            if r is None or r[0] != epoch:
+            if r is None or r.epoch != epoch:
                 continue
-            r[1], r[3] = r[1] - r[2], r[3] - 1
-            if r[3] <= 0:
+            r.blocks_left, r.sequences_left = r.blocks_left - r.blocks_per_sequence, r.sequences_left - 1
+            if r.sequences_left <= 0:
                 del self._reserved[rid]
         self._imports.clear()
 
@@ -269,7 +301,8 @@ class DecodeWorker:
         rid, _, idx = str(res.request_id).rpartition("/")
         exp = self._expected.get(rid)
         if exp is None or exp[0] != res.epoch or not idx.isdigit():
-            self.engine.kv.free(res.seq_id)  # stale, duplicate or aborted: nothing joins the batch
+            # stale, duplicate or aborted: nothing joins the batch, and no block of it stays cached
+            self.engine.kv.free(res.seq_id, uncache=True)
             self.refused += 1
             out.append({"k": "stale", "rid": rid, "epoch": res.epoch, "expected": exp[0] if exp else None})
             return

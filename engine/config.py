@@ -107,17 +107,19 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
 
-    def kv_layout(self, block_size: int, dtype: str | torch.dtype | None = None) -> KVLayout:
+    def kv_layout(self, block_size: int, dtype: str | torch.dtype | None = None,
+                  model_id: str = "") -> KVLayout:
         """The KV pool layout this model needs, with `block_size` slots per block.
 
         dtype: the KV element type (name or torch dtype); defaults to the model's dtype.
+        model_id: the loaded model's identity (`engine.identity.model_identity`).
         """
         if dtype is None:
             dtype = self.dtype
         elif isinstance(dtype, torch.dtype):
             dtype = dtype_name(dtype)
         return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        block_size=block_size, dtype=dtype)
+                        block_size=block_size, dtype=dtype, model=model_id)
 
     # ---- constructors -------------------------------------------------------------------
     @staticmethod

@@ -19,6 +19,7 @@ import torch
 from engine.attention import get_backend
 from engine.attn_metadata import AttentionMetadata
 from engine.beam import beam_step, best_hypotheses
+from engine.identity import model_identity
 from engine.sampling import SamplingParams, StopChecker, cut_at_stop, sample_token
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Request, Sequence, Status, StepOutput
@@ -77,7 +78,8 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(config.model, device=config.device, dtype=config.dtype, backend=self.backend)
         self.model, self.model_config, self.tokenizer = loaded
-        layout = self.model_config.kv_layout(config.block_size, _dtype_name(self.model))
+        self.model_id = model_identity(self.model_config, self.model)
+        layout = self.model_config.kv_layout(config.block_size, _dtype_name(self.model), self.model_id)
         self.storage = KVStorage(layout, config.num_blocks, device=self.device)
         host = None
         if config.num_host_blocks > 0:

@@ -124,19 +124,25 @@ class BlockAllocator:
             raise ValueError(f"incref of block {block}, which is not in use")
         self._ref[block] += 1
 
-    def free(self, block: int) -> None:
-        """Drop one reference; at zero the block joins the cached or the clean queue."""
+    def free(self, block: int, uncache: bool = False) -> None:
+        """Drop one reference; at zero the block joins the cached or the clean queue.
+
+        uncache: at zero, forget the block's prefix hash and make it clean (KV nobody vouches
+        for, e.g. an import no reservation asked for, must never be served from the cache).
+        """
         block = self._check_id(block)
         if self._ref[block] == 0:
             raise ValueError(f"double free of block {block}: its ref count is already 0")
         self._ref[block] -= 1
         if self._ref[block] == 0:
+            if block in self._hash_of and uncache:
+                del self._block_of[self._hash_of.pop(block)]
             if block in self._hash_of:
                 self._evictable[block] = None
             else:
                 self._clean.append(block)
 
-    def free_many(self, blocks: list[int]) -> None:
+    def free_many(self, blocks: list[int], uncache: bool = False) -> None:
         """Free in the order given (pass a table reversed to release its tail first).
 
         Validated first: a list that would double free raises ValueError and frees nothing.
@@ -146,7 +152,7 @@ class BlockAllocator:
             if n > self._ref[b]:
                 raise ValueError(f"double free of block {b}: freed {n} times, ref count {self._ref[b]}")
         for b in ids:
-            self.free(b)
+            self.free(b, uncache)
 
     # ---- prefix cache -------------------------------------------------------------------
     def register(self, block: int, block_hash: int) -> bool:

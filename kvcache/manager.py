@@ -263,13 +263,16 @@ class KVCacheManager:
                                            num_computed=p.num_computed, block_hashes=list(p.block_hashes),
                                            extra_key=p.extra_key)
 
-    def free(self, seq_id) -> None:
-        """Release every block of the sequence, tail first, and forget its table."""
+    def free(self, seq_id, uncache: bool = False) -> None:
+        """Release every block of the sequence, tail first, and forget its table.
+
+        uncache: blocks whose last reference this drops leave the prefix cache too (see
+        `BlockAllocator.free`)."""
         t = self.tables.get(seq_id)
         if t is None:
             raise ValueError(f"free of unknown sequence {seq_id!r}")
         alloc = self.host_allocator if t.swapped else self.allocator
-        alloc.free_many(t.blocks[::-1])  # type: ignore[union-attr]
+        alloc.free_many(t.blocks[::-1], uncache)  # type: ignore[union-attr]
         del self.tables[seq_id]  # only once the blocks are released: a failure keeps the table
 
     # ---- swap ---------------------------------------------------------------------------

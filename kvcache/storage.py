@@ -46,6 +46,8 @@ class KVLayout:
     head_dim: channels per head.
     block_size: token slots per block.
     dtype: element type name: 'float32', 'float16' or 'bfloat16'.
+    model: opaque identity of the model whose KV this pool holds (a hash the engine computes
+      at load; '' for synthetic pools). Pools of different models never exchange blocks.
     """
 
     num_layers: int
@@ -53,6 +55,7 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str = "float32"
+    model: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -60,6 +63,8 @@ class KVLayout:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"KVLayout.{name} must be an integer >= 1, got {v!r}")
         dtype_from_name(self.dtype)
+        if not isinstance(self.model, str) or len(self.model) > 64:
+            raise ValueError(f"KVLayout.model must be a string of at most 64 characters, got {self.model!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -90,6 +95,7 @@ class KVLayout:
             "dtype": self.dtype,
             "block_size": self.block_size,
             "layout": LAYOUT_NAME,
+            "model": self.model,
         }
 
 

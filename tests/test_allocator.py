@@ -28,6 +28,23 @@ def test_allocate_hands_out_ids_in_order_then_none():
     a.check_integrity({0: 1, 1: 1, 2: 1, 3: 1})
 
 
+def test_free_uncached_drops_the_hash_and_makes_the_block_clean():
+    a = BlockAllocator(3)
+    b0, b1 = a.allocate(), a.allocate()
+    assert a.register(b0, 11) and a.register(b1, 22)
+    a.free(b0)  # cached as usual
+    a.free(b1, uncache=True)  # nobody vouches for its KV: not reachable by its hash any more
+    assert a.lookup(11) == b0 and a.lookup(22) is None
+    assert list(a._clean) == [2, b1] and list(a._evictable) == [b0]
+    a.check_integrity()
+    b2 = a.allocate()
+    a.incref(b2)
+    assert a.register(b2, 33)
+    a.free_many([b2, b2], uncache=True)
+    assert a.lookup(33) is None
+    a.check_integrity()
+
+
 def test_clean_queue_is_fifo():
     a = BlockAllocator(5)
     assert [a.allocate() for _ in range(3)] == [0, 1, 2]  # clean queue now [3, 4]

@@ -25,8 +25,8 @@ class CountingAllocator(BlockAllocator):
         self.calls["allocate"] += block is not None
         return block
 
-    def free(self, block):
-        super().free(block)
+    def free(self, block, uncache=False):
+        super().free(block, uncache)
         self.calls["free"] += 1
 
     def incref(self, block):

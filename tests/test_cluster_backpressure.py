@@ -136,3 +136,37 @@ def test_unconsumed_credit_expires_after_its_ttl():
         w.shutdown()
         pull.close(0)
         ctx.term()
+
+
+def test_reservation_is_the_receivers_admission():
+    """Only a live reservation's (request, epoch, sender) may send KV or ask what is cached; a
+    sequence index beyond its n, an abort or an expired credit closes it (in-process worker)."""
+    import zmq
+
+    from decode_worker.worker import DecodeWorker
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    w = DecodeWorker({"name": "decode-adm", "events_address": f"tcp://127.0.0.1:{port}",
+                      "engine": {"num_blocks": 32}, "reserve_ttl_s": 1.0})
+    try:
+        assert not w.admit_transfer("r/0", 3, "prefill-0") and not w.admit_query("r/0", "prefill-0")
+        assert w.reserve("r", 3, 20, 2, "prefill-0")
+        assert w.admit_transfer("r/0", 3, "prefill-0") and w.admit_transfer("r/1", 3, "prefill-0")
+        assert w.admit_query("r/1", "prefill-0")
+        assert not w.admit_transfer("r/2", 3, "prefill-0")      # only n = 2 sequences
+        assert not w.admit_transfer("r/0", 2, "prefill-0")      # another epoch
+        assert not w.admit_transfer("r/0", 3, "prefill-1")      # another sender
+        assert not w.admit_query("r/0", "prefill-1") and not w.admit_query("q/0", "prefill-0")
+        assert not w.admit_transfer("r", 3, "prefill-0")        # not a transfer id
+        w.abort("r")
+        assert not w.admit_transfer("r/0", 3, "prefill-0")
+        assert w.reserve("s", 1, 20, 1, "prefill-0")
+        time.sleep(1.2)
+        assert not w.admit_transfer("s/0", 1, "prefill-0")      # expired credit
+    finally:
+        w.shutdown()
+        pull.close(0)
+        ctx.term()

@@ -201,3 +201,21 @@ def test_triton_backend_gives_the_same_greedy_tokens(loaded, llama_dir):
     a = _engine(loaded, block_size=16, num_blocks=64).generate(prompts, params)
     b = _engine(tri, block_size=16, num_blocks=64, attention_backend="triton").generate(prompts, params)
     assert [c.choices for c in a] == [c.choices for c in b]
+
+
+def test_model_identity_is_stable_and_tells_models_of_one_shape_apart():
+    """The KV fingerprint names the model: same weights -> same identity; one changed weight of the
+    same shape, or another config, -> another identity (such pools never exchange blocks)."""
+    import dataclasses
+
+    from engine.identity import model_identity
+    from engine.loader import load_model
+
+    model, config, _ = load_model("tiny")
+    again, config2, _ = load_model("tiny")
+    ident = model_identity(config, model)
+    assert len(ident) == 16 and ident == model_identity(config2, again)
+    with torch.no_grad():
+        again.state_dict()["embed_tokens.weight"][0, 0] += 1.0
+    assert model_identity(config2, again) != ident
+    assert model_identity(dataclasses.replace(config, rms_norm_eps=1e-3), model) != ident

@@ -27,7 +27,7 @@ def test_layout_shape_and_sizes():
     assert s.data[0].numel() * s.data.element_size() == lay.block_bytes
     fp = lay.fingerprint()
     assert fp == {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "float16", "block_size": B,
-                  "layout": LAYOUT_NAME}
+                  "layout": LAYOUT_NAME, "model": ""}
     assert s.num_slots == 7 * B
 
 

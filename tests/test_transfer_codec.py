@@ -13,7 +13,7 @@ from transfer.messages import Ack, DecodeState, FrameDesc, Held, Hello, Manifest
 from transfer.schema import Limits
 
 FP = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16", "block_size": 16,
-      "layout": "block-major/NL2BHD"}
+      "layout": "block-major/NL2BHD", "model": "test-model"}
 
 
 SAMPLING = {"temperature": 0.7, "stop_token_ids": [2], "seed": 5}

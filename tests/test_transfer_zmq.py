@@ -18,7 +18,7 @@ from transfer.checksum import checksum
 from transfer.codec import encode
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
-from transfer.messages import Hello
+from transfer.messages import PROTOCOL_VERSION, Hello
 from transfer.metrics import TransferMetrics
 from transfer.pools import fill_random_sequence, make_manager
 from transfer.transport import TransportConfig, ipc_address
@@ -141,6 +141,60 @@ def test_handshake_refuses_incompatible_layout(gen):
         assert info.value.remote
         assert isinstance(served.next(), E.FingerprintMismatch)
         assert tx.metrics.errors["fingerprint"] >= 1 and served.metrics.errors["fingerprint"] == 1
+    finally:
+        tx.close()
+        served.stop()
+
+
+def test_handshake_refuses_another_model_of_the_same_shape():
+    """Equal shapes, different model identity: refused at the handshake, naming the field."""
+    dst = make_manager(KVLayout(block_size=16, model="model-a", **SHAPE), 64)
+    served = Served(dst)
+    other = KVLayout(block_size=16, model="model-b", **SHAPE)
+    tx = ZmqSender(other.fingerprint(), TransportConfig(address=served.rx.address))
+    try:
+        with pytest.raises(E.FingerprintMismatch, match="model"):
+            tx.connect()
+        assert isinstance(served.next(), E.FingerprintMismatch)
+    finally:
+        tx.close()
+        served.stop()
+
+
+class _OnlyReserved:
+    """Admission as a decode worker gives it: one reserved (transfer id, epoch, sender)."""
+
+    def admit_transfer(self, request_id, epoch, peer):
+        return (request_id, epoch, peer) == ("r/0", 5, "prefill-0")
+
+    def admit_query(self, request_id, peer):
+        return (request_id, peer) == ("r/0", "prefill-0")
+
+
+@pytest.mark.parametrize("request_id,epoch,peer", [("x/0", 5, "prefill-0"), ("r/0", 4, "prefill-0"),
+                                                   ("r/0", 5, "intruder")])
+def test_unadmitted_transfer_and_query_are_refused_before_any_allocation(gen, request_id, epoch, peer):
+    src, dst = pool(), pool()
+    fill_random_sequence(src, "a", 40, gen)
+    fill_random_sequence(dst, "cached", 40, gen, src.table("a").token_ids)  # dst caches the same prefix
+    dst.free("cached")
+    served = Served(dst)
+    served.rx.admission = _OnlyReserved()
+    before = snapshot(dst)
+    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address,
+                                                                      peer_name=peer))
+    try:
+        if (request_id, peer) != ("r/0", "prefill-0"):  # a query carries no epoch
+            with pytest.raises(E.NotAdmitted) as info:
+                tx.query(request_id, src.table("a").token_ids)
+            assert "refused" in str(info.value) and request_id not in str(info.value)
+        with pytest.raises(E.NotAdmitted):
+            tx.migrate(src, "a", request_id, epoch, dedupe=False)
+        assert isinstance(served.next(), E.NotAdmitted)
+        assert snapshot(dst) == before and served.metrics.errors["refused"] >= 1
+        tx.config = TransportConfig(address=served.rx.address, peer_name="prefill-0")
+        tx.connect()  # the reserved sender, same connection: admitted, and the dedupe hit is real
+        assert tx.migrate(src, "a", "r/0", 5).reused_blocks == 2
     finally:
         tx.close()
         served.stop()
@@ -269,7 +323,7 @@ def test_receiver_survives_bad_traffic_with_pool_unchanged(gen, case):
             assert header == TOKEN.pack(b"A", 1) and nack["code"] == err.code
         elif case == "unknown version":
             err = E.ProtocolVersionError
-            raw.sock.send_multipart([TOKEN.pack(b"M", 1), _manifest_version(ex, 2)])
+            raw.sock.send_multipart([TOKEN.pack(b"M", 1), _manifest_version(ex, PROTOCOL_VERSION + 1)])
             assert raw.reply()[1]["code"] == "version"
         elif case == "no handshake":
             err = E.HandshakeRequired

@@ -96,6 +96,13 @@ class TransferTimeout(TransferError):
     code = "timeout"
 
 
+class NotAdmitted(TransferError):
+    """The receiver expects no such transfer (no reservation names it, or not for this sender).
+    Refused before anything is allocated; the nack says nothing of what the receiver holds."""
+
+    code = "refused"
+
+
 class TransportClosed(TransferError):
     """The transport was closed (locally) while an operation was in flight."""
 
@@ -106,7 +113,7 @@ ERROR_CLASSES: dict[str, type[TransferError]] = {
     cls.code: cls for cls in (
         TransferError, MalformedMessage, LimitExceeded, ProtocolVersionError, FingerprintMismatch,
         HandshakeRequired, ChecksumError, FrameSizeError, FrameCountError, StaleEpoch,
-        SequenceExists, PoolFull, DedupeMiss, TransferTimeout, TransportClosed)
+        SequenceExists, PoolFull, DedupeMiss, TransferTimeout, NotAdmitted, TransportClosed)
 }
 
 

@@ -31,10 +31,10 @@ from transfer.schema import (
     require_keys,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the fingerprint names the model
 MAX_U64 = (1 << 64) - 1
 MAX_EPOCH = (1 << 63) - 1
-FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout")
+FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout", "model")
 CHECKSUM_MODES = ("manifest", "inline")  # checksums in the frame descriptors, or in each chunk's header
 
 # name -> (kind, lo, hi, default); unknown sampling keys are refused.
@@ -61,6 +61,7 @@ def validate_fingerprint(d, limits: Limits, what: str = "fingerprint") -> dict:
         "dtype": get_str(d, "dtype", 32, what),
         "block_size": get_int(d, "block_size", 1, limits.max_block_size, what),
         "layout": get_str(d, "layout", 64, what),
+        "model": get_str(d, "model", 64, what),
     }
 
 

@@ -8,7 +8,7 @@ once into the object store (frames under 100 KiB travel inline with the call). R
 frames over as read-only numpy arrays mapped from shared memory (zero-copy), which
 `import_sequence` copies once into the reserved blocks. Our own messages cross as msgpack
 bytes; Ray serializes the call itself. The receiving actor exposes `kv_hello(conn, bytes)`,
-`kv_query(bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes;
+`kv_query(conn, bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes;
 `PoolReceiver` is such an actor body with its own pool (used by the benchmark and tests).
 """
 
@@ -19,6 +19,7 @@ import uuid
 
 import numpy as np
 
+from transfer.admission import OPEN, refused
 from transfer.blocks import prefix_hashes_at
 from transfer.codec import decode, decode_reply, encode
 from transfer.epochs import EpochGuard
@@ -40,12 +41,13 @@ class RayReceiverEndpoint:
     """Decode side. Call its methods from the actor that owns `manager` (one thread)."""
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
-                 metrics: TransferMetrics | None = None, stage: bool = False):
+                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
         self.manager, self.config, self.stage = manager, config or TransportConfig(), stage
+        self.admission = admission
         self.epochs = epochs if epochs is not None else EpochGuard()
         self.metrics = metrics or DEFAULT_METRICS
         self.fingerprint = manager.storage.layout.fingerprint()
-        self.plans: dict[str, CompatPlan] = {}
+        self.plans: dict[str, tuple[CompatPlan, str]] = {}  # connection -> (plan, sender's name)
         self.last_result = None
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
@@ -61,12 +63,15 @@ class RayReceiverEndpoint:
             return self._nack(e)
         if len(self.plans) >= 4096:
             self.plans.pop(next(iter(self.plans)))
-        self.plans[str(conn)] = plan
+        self.plans[str(conn)] = (plan, hello.peer)
         return encode(HelloReply(self.fingerprint, self.config.peer_name))
 
-    def kv_query(self, data: bytes) -> bytes:
+    def kv_query(self, conn: str, data: bytes) -> bytes:
         try:
             q = decode(data, self.config.limits, Query)
+            plan = self.plans.get(str(conn))
+            if plan is None or not self.admission.admit_query(q.request_id, plan[1]):
+                raise refused()
             if q.block_size != self.manager.block_size:
                 raise MalformedMessage(f"query in blocks of {q.block_size}, not {self.manager.block_size}")
         except TransferError as e:
@@ -80,10 +85,13 @@ class RayReceiverEndpoint:
             m = decode(manifest, self.config.limits, Manifest)
         except TransferError as e:
             return self._nack(e)
-        plan = self.plans.get(str(conn))
-        if plan is None:
+        entry = self.plans.get(str(conn))
+        if entry is None:
             err = HandshakeRequired("transfer on a connection without a handshake")
             return self._nack(err, m.request_id, m.epoch)
+        plan, peer = entry
+        if not self.admission.admit_transfer(m.request_id, m.epoch, peer):
+            return self._nack(refused())  # NOTE: before any block is allocated; no detail echoed
         try:
             res = import_sequence(self.manager, m, list(frames), plan, epochs=self.epochs,
                                   metrics=self.metrics, stage=self.stage)
@@ -138,7 +146,7 @@ class RaySender:
         if not hashes:
             return []
         q = encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))
-        data = self._get(self.actor.kv_query.remote(q), timeout or self.config.connect_timeout_s,
+        data = self._get(self.actor.kv_query.remote(self.conn, q), timeout or self.config.connect_timeout_s,
                          "dedupe reply")
         held = _reply_of(self, data, Held).held
         if any(not 0 <= i < len(hashes) for i in held):

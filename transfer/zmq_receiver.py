@@ -2,6 +2,7 @@
 imports into one pool; the wire format is described in `transfer.zmq_wire`. Chunks land in the
 reserved blocks with `recv_into` while ZeroMQ's I/O thread already reads the next one. A failed
 transfer is aborted (reservation released), nacked, counted, and its error raised from `poll`.
+Manifests and dedupe queries pass `admission` (transfer.admission) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import OrderedDict
 
 import zmq
 
+from transfer.admission import OPEN, refused
 from transfer.codec import decode, encode
 from transfer.epochs import EpochGuard
 from transfer.errors import (
@@ -34,6 +36,7 @@ from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
 class _Peer:
     def __init__(self) -> None:
         self.plan: CompatPlan | None = None
+        self.name = ""  # the sender's name from its handshake
         self.session: ImportSession | None = None
         self.token = -1
         self.t0 = 0.0
@@ -43,9 +46,9 @@ class ZmqReceiver:
     """Decode side: serves handshakes, dedupe queries and imports into `manager`'s pool."""
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
-                 metrics: TransferMetrics | None = None, stage: bool = False):
+                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
         config = config or TransportConfig()
-        self.manager, self.config, self.stage = manager, config, stage
+        self.manager, self.config, self.stage, self.admission = manager, config, stage, admission
         self.epochs = epochs if epochs is not None else EpochGuard()
         self.metrics = metrics or DEFAULT_METRICS
         self.ctx = zmq.Context(io_threads=config.io_threads)
@@ -183,7 +186,7 @@ class ZmqReceiver:
         if kind == b"H" and len(header) == 1:
             return self._hello(ident, peer, body)
         if kind == b"Q" and len(header) == 1:
-            return self._query(ident, body)
+            return self._query(ident, peer, body)
         if kind in (b"M", b"E") and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
             return self._manifest(ident, peer, token, body) if kind == b"M" else self._end(ident, peer, token)
@@ -201,12 +204,15 @@ class ZmqReceiver:
         except TransferError as e:
             peer.plan = None
             self._refuse(ident, b"h", e)
+        peer.name = hello.peer
         self._send(ident, b"h", HelloReply(self.fingerprint, self.config.peer_name))
         return None
 
-    def _query(self, ident: bytes, body) -> None:
+    def _query(self, ident: bytes, peer: _Peer, body) -> None:
         try:
             q = decode(body, self.config.limits, Query)
+            if peer.plan is None or not self.admission.admit_query(q.request_id, peer.name):
+                raise refused()
             if q.block_size != self.manager.block_size:
                 raise MalformedMessage(f"query in blocks of {q.block_size}, not {self.manager.block_size}")
         except TransferError as e:
@@ -229,6 +235,8 @@ class ZmqReceiver:
             return self._refuse(ident, header, e)
         if peer.plan is None:
             return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
+        if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
+            return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
                                     stage=self.stage)

@@ -1,0 +1,119 @@
+"""Planted KV is refused (issue 16): a peer that reaches a decode worker's receiver without a
+reservation from the coordinator can neither import KV nor learn what the worker caches, and
+the cluster's answers stay the local engine's.
+
+The reproduction: migrate 64 tokens of random KV under a request id nobody made (tokens
+300..363), even claiming to be the real prefill worker; then send a real request whose prompt
+starts with those tokens. Once per transport, each on its own short-lived 1 + 1 cluster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+import cluster_client as cc  # noqa: E402
+import torch  # noqa: E402
+
+from coordinator.cluster import ClusterConfig  # noqa: E402
+from deploy.launch import ClusterServer  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from kvcache.storage import KVLayout  # noqa: E402
+from transfer.errors import NotAdmitted  # noqa: E402
+from transfer.messages import DecodeState  # noqa: E402
+from transfer.pools import fill_random_sequence, make_manager  # noqa: E402
+from transfer.transport import TransportConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+PLANTED = list(range(300, 364))  # 64 tokens: 4 full blocks of 16
+
+
+@pytest.fixture(scope="module", params=["zmq", "ray"])
+def cluster(request, ray_local):
+    srv = ClusterServer(ClusterConfig(prefill=1, decode=1, transport=request.param, num_blocks=128))
+    try:
+        srv.start()
+        yield request.param, srv
+    finally:
+        srv.stop()
+
+
+def _decode_worker(port: int) -> dict:
+    return next(w for w in cc.cluster_info(port)["workers"] if w["role"] == "decode")
+
+
+def _pool_after_heartbeat(port: int) -> tuple[int, int, int]:
+    time.sleep(0.6)  # a few heartbeats: the snapshot includes anything the attempt changed
+    w = _decode_worker(port)
+    return w["used_blocks"], w["cached_blocks"], w["free_blocks"]
+
+
+def _attacker(transport: str, srv: ClusterServer, local_engine):
+    """A sender with the decode worker's exact layout (same model), calling itself prefill-0."""
+    fp = local_engine.storage.layout.fingerprint()
+    layout = KVLayout(fp["num_layers"], fp["num_kv_heads"], fp["head_dim"], 16, fp["dtype"], fp["model"])
+    manager = make_manager(layout, 16)
+    fill_random_sequence(manager, "evil", len(PLANTED), torch.Generator().manual_seed(7), PLANTED)
+    dw = _decode_worker(srv.port)
+    if transport == "zmq":
+        from transfer.zmq_transport import ZmqSender
+
+        sender = ZmqSender(layout.fingerprint(), TransportConfig(address=dw["address"], peer_name="prefill-0",
+                                                                 connect_timeout_s=10, transfer_timeout_s=10))
+    else:
+        import ray
+
+        from transfer.ray_transport import RaySender
+
+        actor = ray.get_actor(dw["name"], namespace=srv.backend.namespace)
+        sender = RaySender(layout.fingerprint(), actor, TransportConfig(peer_name="prefill-0",
+                                                                        checksum_mode="manifest"))
+    return manager, sender
+
+
+def test_planted_kv_is_refused_and_answers_stay_correct(cluster, local_engine):
+    transport, srv = cluster
+    cc.wait_at_rest(srv.port)
+    before = _pool_after_heartbeat(srv.port)
+    manager, sender = _attacker(transport, srv, local_engine)
+    try:
+        sender.connect()  # the handshake itself is allowed: it reveals only the layout
+        state = DecodeState(list(PLANTED), SamplingParams().to_dict(), 0)
+        with pytest.raises(NotAdmitted):
+            sender.migrate(manager, "evil", "evil-request/0", 1, state, dedupe=False)
+        assert manager.allocator.num_used == 4  # the refusal released the export's lease
+    finally:
+        if hasattr(sender, "close"):
+            sender.close()
+    assert _pool_after_heartbeat(srv.port) == before  # not one block allocated, cached or freed
+
+    prompt = PLANTED + [5, 6, 7, 8]
+    want = cc.reference(local_engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    got = cc.complete(srv.port, {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert [c["token_ids"] for c in got["choices"]] == want
+    assert got["pdserve"]["backend"]["migration"]["reused"] == 0  # nothing planted to reuse
+    info = cc.wait_at_rest(srv.port)
+    assert info["ledger"]["active_requests"] == 0
+
+
+def test_dedupe_query_from_unknown_sender_is_refused(cluster, local_engine):
+    """The query names a request id no reservation holds: refused, and nothing is said about
+    which prefixes the decode worker caches (a real request cached them just before)."""
+    transport, srv = cluster
+    prompt = list(range(20, 60))
+    cc.complete(srv.port, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    cc.wait_at_rest(srv.port)
+    before = _pool_after_heartbeat(srv.port)
+    assert before[1] > 0  # the decode worker now caches that prompt's full blocks
+    _, sender = _attacker(transport, srv, local_engine)
+    try:
+        with pytest.raises(NotAdmitted):
+            sender.query("someone-else/0", prompt)
+    finally:
+        if hasattr(sender, "close"):
+            sender.close()
+    assert _pool_after_heartbeat(srv.port) == before
