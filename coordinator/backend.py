@@ -153,15 +153,10 @@ class LocalEngineBackend:
 
     async def submit(self, creq):
         from engine.engine import RequestError
-        from engine.sampling import SamplingParams
-
         ok, why = self.health()
         if not ok:
             raise ServiceUnavailable(why)
-        try:
-            params = SamplingParams(**creq.sampling_kwargs())
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+        params = creq.sampling_params()
         rid = creq.request_id
         sink = _Sink(asyncio.get_running_loop(), creq.n, len(creq.prompt_ids))
         accepted: concurrent.futures.Future = concurrent.futures.Future()

@@ -238,12 +238,7 @@ class ClusterBackend(FailoverMixin):
             st.q.put_nowait(ServiceUnavailable("request aborted"))
 
     async def submit(self, creq):
-        from engine.sampling import SamplingParams
-
-        try:
-            params = SamplingParams(**creq.sampling_kwargs()).with_seed()
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+        params = creq.sampling_params().with_seed()
         prompt = list(creq.prompt_ids)
         try:
             if self.colocated:

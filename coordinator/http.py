@@ -34,6 +34,7 @@ from coordinator.protocol import (
     parse_completion_request,
     resolve_prompt,
 )
+from protocol.sampling import MAX_N
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class HTTPConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    max_n: int = 16
+    max_n: int = MAX_N
     max_body_bytes: int = 1 << 20
     stall_timeout_s: float = 60.0
     final_event_timeout_s: float = 1.0

@@ -17,8 +17,9 @@ import json
 import uuid
 from dataclasses import dataclass, replace
 
+from protocol.sampling import MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
+
 DEFAULT_MAX_TOKENS = 16
-MAX_STOP_STRINGS = 4
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class CompletionRequest:
     prompt: the prompt text, or None when the client sent token ids.
     prompt_ids: the prompt's token ids; empty until `resolve_prompt` encodes a text prompt.
     max_tokens, temperature, top_p, top_k, n, seed, stop, stop_token_ids, ignore_eos: sampling
-        settings with the meaning of engine.sampling.SamplingParams (top_k, stop_token_ids and
+        settings with the meaning of protocol.sampling.SamplingParams (top_k, stop_token_ids and
         ignore_eos are extensions of the OpenAI API).
     stream: answer with server-sent events.
     include_usage: stream_options.include_usage (usage is sent on the last chunk regardless).
@@ -108,11 +109,14 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
 
-    def sampling_kwargs(self) -> dict:
-        """Keyword arguments for engine.sampling.SamplingParams (plain types, msgpack-safe)."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "n": self.n, "seed": self.seed, "stop": tuple(self.stop),
-                "stop_token_ids": tuple(self.stop_token_ids), "ignore_eos": self.ignore_eos}
+    def sampling_params(self) -> SamplingParams:
+        """The request's sampling settings; InvalidRequest if they break a bound."""
+        try:
+            return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, n=self.n, seed=self.seed, stop=tuple(self.stop),
+                                  stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
 
 
 # Fields accepted, and fields refused only when set to something other than their no-op value.
@@ -196,7 +200,7 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
-def parse_completion_request(raw: bytes | str | dict, *, max_n: int = 16,
+def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
                              request_id: str | None = None) -> CompletionRequest:
     """Validate a completions body; raises InvalidRequest naming the offending field."""
     if isinstance(raw, (bytes, str)):
@@ -232,7 +236,7 @@ def parse_completion_request(raw: bytes | str | dict, *, max_n: int = 16,
         request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
         model=model, prompt=prompt, prompt_ids=ids,
         max_tokens=_int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1),
-        temperature=_num(body, "temperature", 1.0, 0.0, 100.0),
+        temperature=_num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_int(body, "top_k", 0, -1),
         n=_int(body, "n", 1, 1, max_n),

@@ -87,8 +87,11 @@ def test_wrong_kind_and_unknown_field_refused():
     (lambda d: d.update(chunk_bytes=1), E.LimitExceeded),
     (lambda d: d["fingerprint"].update(block_size=10**9), E.LimitExceeded),
     (lambda d: d["state"].update(token_ids=b"\x00" * 4 * (Limits().max_tokens + 1)), E.LimitExceeded),
-    (lambda d: d["state"]["sampling"].update(n=10**6), E.LimitExceeded),
-    (lambda d: d["state"]["sampling"].update(temperature=float("nan")), E.LimitExceeded),
+    # sampling is checked by the one SamplingParams (protocol.sampling): a MalformedMessage naming the field
+    (lambda d: d["state"]["sampling"].update(n=10**6), E.MalformedMessage),
+    (lambda d: d["state"]["sampling"].update(n=17), E.MalformedMessage),  # above MAX_N, as over HTTP
+    (lambda d: d["state"]["sampling"].update(top_p=0.0), E.MalformedMessage),  # (0, 1] everywhere
+    (lambda d: d["state"]["sampling"].update(temperature=float("nan")), E.MalformedMessage),
     (lambda d: d.update(epoch=-1), E.LimitExceeded),
     (lambda d: d.update(request_id="x" * 5000), E.LimitExceeded),
     (lambda d: d.update(block_hashes=b"\x00" * 7), E.MalformedMessage),

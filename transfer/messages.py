@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.sampling import SamplingParams
 from transfer.checksum import ALGORITHM
 from transfer.errors import LimitExceeded, MalformedMessage
 from transfer.schema import (
@@ -20,13 +21,10 @@ from transfer.schema import (
     U64,
     Limits,
     get,
-    get_bool,
     get_float,
     get_int,
-    get_int_list,
     get_packed,
     get_str,
-    get_str_list,
     pack,
     require_keys,
 )
@@ -36,21 +34,6 @@ MAX_U64 = (1 << 64) - 1
 MAX_EPOCH = (1 << 63) - 1
 FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout", "model")
 CHECKSUM_MODES = ("manifest", "inline")  # checksums in the frame descriptors, or in each chunk's header
-
-# name -> (kind, lo, hi, default); unknown sampling keys are refused.
-SAMPLING_FIELDS: dict[str, tuple] = {
-    "max_tokens": ("int", 1, 1 << 24, 16),
-    "temperature": ("float", 0.0, 100.0, 0.0),
-    "top_p": ("float", 0.0, 1.0, 1.0),
-    "top_k": ("int", -1, 1 << 24, 0),
-    "seed": ("opt_int", 0, MAX_U64, None),
-    "stop_token_ids": ("int_list", 0, 0xFFFFFFFF, []),
-    "stop": ("str_list", 0, 0, []),
-    "n": ("int", 1, 256, 1),
-    "beam_width": ("int", 1, 256, 1),
-    "ignore_eos": ("bool", 0, 0, False),
-}
-
 
 def validate_fingerprint(d, limits: Limits, what: str = "fingerprint") -> dict:
     require_keys(d, set(FINGERPRINT_KEYS), what)
@@ -65,25 +48,13 @@ def validate_fingerprint(d, limits: Limits, what: str = "fingerprint") -> dict:
     }
 
 
-def validate_sampling(d, limits: Limits) -> dict:
-    """Sampling parameters with every known field present (defaults filled in)."""
-    what = "sampling"
-    require_keys(d, set(SAMPLING_FIELDS), what)
-    out = {}
-    for name, (kind, lo, hi, default) in SAMPLING_FIELDS.items():
-        if kind == "int":
-            out[name] = get_int(d, name, lo, hi, what, default)
-        elif kind == "opt_int":
-            out[name] = get_int(d, name, lo, hi, what, default, optional=True)
-        elif kind == "float":
-            out[name] = get_float(d, name, lo, hi, what, default)
-        elif kind == "int_list":
-            out[name] = get_int_list(d, name, lo, hi, limits.max_list_len, what, default)
-        elif kind == "str_list":
-            out[name] = get_str_list(d, name, limits.max_id_len, limits.max_list_len, what, default)
-        else:
-            out[name] = get_bool(d, name, what, default)
-    return out
+def validate_sampling(d, limits: Limits | None = None) -> dict:
+    """Sampling parameters with every field present (defaults filled in), checked by the one
+    `SamplingParams` (protocol.sampling): its bounds are the wire's bounds."""
+    try:
+        return SamplingParams.from_dict(d).to_dict()
+    except ValueError as e:
+        raise MalformedMessage(f"sampling: {e}"[:300]) from None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,215 @@
+"""The worker protocol: typed commands (coordinator -> worker) and events (worker -> coordinator).
+
+Commands travel as `protocol.codec` bytes through one Ray actor method, `WorkerActor.command`,
+which answers with a `Reply` (or a typed reply such as `WorkerInfo`). Events travel in one
+`WorkerReport` per worker loop iteration over a ZeroMQ PUSH queue: the worker's stats, the
+blocks it holds per request (the ledger reconciles against them), and that iteration's events.
+Every field has a full-word name; every message is a frozen dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.codec import message
+from protocol.sampling import SamplingParams
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True)
+class Submit:
+    """Run a request. Prefill workers also get the decode worker its KV goes to (name, KV address)
+    and the migration epoch; colocated workers leave those empty. generated: output tokens already
+    streamed (a resume after a decode worker was lost; n=1): prefilled with the prompt."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decode_worker: str = ""
+    decode_address: str = ""
+    epoch: int = 0
+    generated: list[int] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True)
+class Abort:
+    """Drop a request (its sequences, held blocks, credit); idempotent."""
+
+    request_id: str
+
+
+@message
+@dataclass(frozen=True)
+class Reserve:
+    """Decode workers: admit a coming migration of n sequences of num_tokens tokens from `sender`
+    under `epoch` (credit-based backpressure; also the receiver's admission)."""
+
+    request_id: str
+    epoch: int
+    num_tokens: int
+    n: int = 1
+    sender: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1 or self.n < 1:
+            raise ValueError(f"reserve needs num_tokens >= 1 and n >= 1, got {self.num_tokens}, {self.n}")
+
+
+@message
+@dataclass(frozen=True)
+class Resend:
+    """Prefill workers: migrate a held request's blocks to another decode worker under `epoch`."""
+
+    request_id: str
+    decode_worker: str
+    decode_address: str
+    epoch: int
+
+
+@message
+@dataclass(frozen=True)
+class DropHeld:
+    """Prefill workers: release a request held from the migration of `epoch` (a stale attempt)."""
+
+    request_id: str
+    epoch: int
+
+
+@message
+@dataclass(frozen=True)
+class Connect:
+    """Prefill workers: handshake with a decode worker now (layouts compared)."""
+
+    decode_worker: str
+    decode_address: str
+
+
+@message
+@dataclass(frozen=True)
+class Describe:
+    """Ask a worker for its `WorkerInfo`."""
+
+
+@message
+@dataclass(frozen=True)
+class InjectFault:
+    """Tests: 'hang' wedges the loop thread (no steps, no imports, no reports) until shutdown."""
+
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind != "hang":
+            raise ValueError(f"unknown fault {self.kind!r}")
+
+
+# ---- replies ----------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a command: `error` is '' on success; `granted` answers a `Reserve`."""
+
+    error: str = ""
+    granted: bool = False
+
+
+@message
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker is: its role, KV address (decode workers), layout fingerprint and model."""
+
+    name: str
+    role: str
+    address: str
+    fingerprint: dict[str, int | str]
+    block_size: int
+    model: str
+    max_context: int
+    vocab_size: int
+
+
+# ---- events -----------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens of choice `index`, starting at output position `start`; finish_reason set on
+    the choice's last tokens."""
+
+    request_id: str
+    index: int
+    start: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@message
+@dataclass(frozen=True)
+class Migrated:
+    """A prefill worker's migration of a request was acknowledged by `decode_worker`."""
+
+    request_id: str
+    decode_worker: str
+    epoch: int
+    milliseconds: float
+    payload_bytes: int
+    blocks: int
+    reused_blocks: int
+    sequences: int
+    transport: str
+
+
+@message
+@dataclass(frozen=True)
+class Imported:
+    """A decode worker committed choice `index` of a request and joined it to its batch."""
+
+    request_id: str
+    index: int
+    epoch: int
+    blocks: int
+    payload_bytes: int
+    milliseconds: float
+
+
+@message
+@dataclass(frozen=True)
+class ImportRefused:
+    """A decode worker committed an import it no longer expected (aborted or stale) and freed it."""
+
+    request_id: str
+    epoch: int
+    expected_epoch: int | None
+
+
+@message
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request failed on this worker. kind: 'refused' (bad request), 'migration' (held: the
+    prefill worker keeps the blocks for a resend), 'hold_expired'."""
+
+    request_id: str
+    epoch: int
+    kind: str
+    message: str
+    held: bool = False
+
+
+@message
+@dataclass(frozen=True)
+class WorkerReport:
+    """One loop iteration of one worker: stats, blocks held per request, and events.
+
+    holdings: request id -> device blocks the worker holds for it; each used block is counted
+    once, under the first request (in id order) that references it, so the values add up to
+    the worker's `used_blocks` unless a block leaked."""
+
+    worker: str
+    stats: dict[str, int | float | str | bool | None]
+    holdings: dict[str, int]
+    events: list[Tokens | Migrated | Imported | ImportRefused | RequestFailed]
