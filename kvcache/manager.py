@@ -1,65 +1,25 @@
 """KV cache manager: per-sequence block tables over a block allocator and a KV storage.
 
 This is the layer that knows about sequences (by opaque id) but not about requests, models or
-transports. It owns the block tables (logical block -> physical block, tail fill), prefix
-matching and registration of full blocks, fork, copy-on-write of a shared tail, tail-first
-release, and swapping a sequence's blocks to a host pool and back.
-
-Rules kept here: only full blocks whose KV has been computed are ever shared through the prefix
-cache; tables only grow (until freed); copy-on-write is the one explicit `_cow_tail` call made
-before a write into a shared tail block. Shortage returns None/False and changes nothing.
+transports. It owns the block tables (`kvcache.table`: logical block -> physical block, tail
+fill), prefix matching and registration of full blocks, fork, copy-on-write of a shared tail,
+tail-first release, swapping a sequence's blocks to a host pool and back (the copies are in
+`kvcache.swap`) and the table-level integrity check (`kvcache.integrity`). Rules kept here: only
+full blocks whose KV has been computed are ever shared through the prefix cache; tables only grow
+(until freed); copy-on-write is the one explicit `_cow_tail` call made before a write into a
+shared tail block. Shortage returns None/False and changes nothing.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-import torch
-
-from kvcache.allocator import ROOT_HASH, BlockAllocator, IntegrityError, hash_block
+from kvcache import integrity, swap
+from kvcache.allocator import ROOT_HASH, BlockAllocator, hash_block
 from kvcache.storage import KVStorage
+from kvcache.table import BlockTable, blocks_for
 
-
-@dataclass
-class BlockTable:
-    """One sequence's view of the cache.
-
-    blocks: physical block ids in logical order (host ids while swapped out).
-    token_ids: every token that has a slot (computed or about to be).
-    num_computed: tokens whose K/V are written into their slots.
-    block_hashes: prefix hashes of the leading full, computed blocks.
-    """
-
-    blocks: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    block_hashes: list[int] = field(default_factory=list)
-    extra_key: str | None = None
-    swapped: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def slot(self, t: int, block_size: int) -> int:
-        """Physical slot of logical token t: table[t // B] * B + t % B."""
-        return self.blocks[t // block_size] * block_size + t % block_size
-
-    def tail_fill(self, block_size: int) -> int:
-        """Tokens in the last block (block_size when it is full, 0 when there are no blocks)."""
-        if not self.blocks:
-            return 0
-        return self.num_tokens - (len(self.blocks) - 1) * block_size
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise IntegrityError(msg)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+__all__ = ["BlockTable", "KVCacheManager", "blocks_for"]  # the table's names, re-exported for callers
 
 
 class KVCacheManager:
@@ -122,12 +82,12 @@ class KVCacheManager:
 
     def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
         """Physical slots of tokens start..end-1 (each must already have a slot)."""
-        t = self.table(seq_id)
-        if t.swapped:
+        table = self.table(seq_id)
+        if table.swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out; its blocks are host ids")
-        if not 0 <= start <= end <= t.num_tokens:
-            raise ValueError(f"token range {start}..{end} outside 0..{t.num_tokens}")
-        return [t.slot(i, self.block_size) for i in range(start, end)]
+        if not 0 <= start <= end <= table.num_tokens:
+            raise ValueError(f"token range {start}..{end} outside 0..{table.num_tokens}")
+        return [table.slot(i, self.block_size) for i in range(start, end)]
 
     # ---- allocate / grow ----------------------------------------------------------------
     def allocate(self, seq_id, token_ids: list[int], extra_key: str | None = None) -> int | None:
@@ -165,17 +125,17 @@ class KVCacheManager:
 
     def blocks_needed_to_append(self, seq_id, n: int = 1) -> int:
         """New blocks `append` would take for n more tokens (copy-on-write included)."""
-        t = self.table(seq_id)
-        if t.swapped:
+        table = self.table(seq_id)
+        if table.swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in before appending")
         if n < 0:
             raise ValueError(f"cannot append a negative number of tokens ({n})")
         if n == 0:
             return 0
         B = self.block_size
-        need = blocks_for(t.num_tokens + n, B) - len(t.blocks)
-        fill = t.tail_fill(B)
-        if t.blocks and 0 < fill < B and self.allocator.ref_count(t.blocks[-1]) > 1:
+        need = blocks_for(table.num_tokens + n, B) - len(table.blocks)
+        fill = table.tail_fill(B)
+        if table.blocks and 0 < fill < B and self.allocator.ref_count(table.blocks[-1]) > 1:
             need += 1
         return need
 
@@ -190,49 +150,49 @@ class KVCacheManager:
 
     def _append(self, seq_id, token_ids: list[int]) -> bool:
         """Give `token_ids` slots at the end of the sequence. False on shortage (no change)."""
-        t = self.table(seq_id)
-        if t.swapped:
+        table = self.table(seq_id)
+        if table.swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in before appending")
         if not token_ids:  # nothing to place: no copy-on-write either
             return True
         if self.blocks_needed_to_append(seq_id, len(token_ids)) > self.allocator.num_available:
             return False
-        self._cow_tail(t)
-        new = blocks_for(t.num_tokens + len(token_ids), self.block_size) - len(t.blocks)
-        t.blocks += self.allocator.allocate_many(new)  # type: ignore[operator]
-        t.token_ids += token_ids
+        self._cow_tail(table)
+        new = blocks_for(table.num_tokens + len(token_ids), self.block_size) - len(table.blocks)
+        table.blocks += self.allocator.allocate_many(new)  # type: ignore[operator]
+        table.token_ids += token_ids
         return True
 
-    def _cow_tail(self, t: BlockTable) -> None:
+    def _cow_tail(self, table: BlockTable) -> None:
         """Copy-on-write: before writing into a shared, partly filled tail, take a private copy."""
         B = self.block_size
-        fill = t.tail_fill(B)
-        if not t.blocks or fill in (0, B) or self.allocator.ref_count(t.blocks[-1]) == 1:
+        fill = table.tail_fill(B)
+        if not table.blocks or fill in (0, B) or self.allocator.ref_count(table.blocks[-1]) == 1:
             return
-        old = t.blocks[-1]
+        old = table.blocks[-1]
         new = self.allocator.allocate()
         if new is None:  # callers checked availability first
             raise RuntimeError("copy-on-write found no free block after the availability check")
         if self.storage is not None:
             self.storage.copy_blocks([(old, new)])
         self.allocator.free(old)
-        t.blocks[-1] = new
+        table.blocks[-1] = new
         self.cow_copies += 1
 
     def mark_computed(self, seq_id, num_computed: int) -> None:
         """Record that the first `num_computed` tokens have K/V written; seal full blocks."""
-        t = self.table(seq_id)
-        if not 0 <= num_computed <= t.num_tokens:
-            raise ValueError(f"num_computed {num_computed} outside 0..{t.num_tokens}")
-        t.num_computed = max(t.num_computed, num_computed)
-        if not self.enable_prefix_caching or t.swapped:
+        table = self.table(seq_id)
+        if not 0 <= num_computed <= table.num_tokens:
+            raise ValueError(f"num_computed {num_computed} outside 0..{table.num_tokens}")
+        table.num_computed = max(table.num_computed, num_computed)
+        if not self.enable_prefix_caching or table.swapped:
             return
         B = self.block_size
-        parent = t.block_hashes[-1] if t.block_hashes else ROOT_HASH
-        for i in range(len(t.block_hashes), t.num_computed // B):
-            parent = hash_block(parent, t.token_ids[i * B:(i + 1) * B], t.extra_key)
-            t.block_hashes.append(parent)
-            self.allocator.register(t.blocks[i], parent)
+        parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
+        for i in range(len(table.block_hashes), table.num_computed // B):
+            parent = hash_block(parent, table.token_ids[i * B:(i + 1) * B], table.extra_key)
+            table.block_hashes.append(parent)
+            self.allocator.register(table.blocks[i], parent)
 
     def adopt(self, seq_id, blocks: list[int], token_ids: list[int], extra_key: str | None = None) -> None:
         """Make a table from blocks the caller already holds one reference to (KV import)."""
@@ -252,64 +212,37 @@ class KVCacheManager:
     # ---- fork / free --------------------------------------------------------------------
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (+1 ref each); writes copy-on-write."""
-        p = self.table(parent_id)
-        if p.swapped:
+        parent = self.table(parent_id)
+        if parent.swapped:
             raise ValueError(f"cannot fork swapped-out sequence {parent_id!r}")
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id!r} already has a block table")
-        for b in p.blocks:
+        for b in parent.blocks:
             self.allocator.incref(b)
-        self.tables[child_id] = BlockTable(blocks=list(p.blocks), token_ids=list(p.token_ids),
-                                           num_computed=p.num_computed, block_hashes=list(p.block_hashes),
-                                           extra_key=p.extra_key)
+        self.tables[child_id] = BlockTable(blocks=list(parent.blocks), token_ids=list(parent.token_ids),
+                                           num_computed=parent.num_computed,
+                                           block_hashes=list(parent.block_hashes), extra_key=parent.extra_key)
 
     def free(self, seq_id, uncache: bool = False) -> None:
         """Release every block of the sequence, tail first, and forget its table.
 
         uncache: blocks whose last reference this drops leave the prefix cache too (see
         `BlockAllocator.free`)."""
-        t = self.tables.get(seq_id)
-        if t is None:
+        table = self.tables.get(seq_id)
+        if table is None:
             raise ValueError(f"free of unknown sequence {seq_id!r}")
-        alloc = self.host_allocator if t.swapped else self.allocator
-        alloc.free_many(t.blocks[::-1], uncache)  # type: ignore[union-attr]
+        alloc = self.host_allocator if table.swapped else self.allocator
+        alloc.free_many(table.blocks[::-1], uncache)  # type: ignore[union-attr]
         del self.tables[seq_id]  # only once the blocks are released: a failure keeps the table
 
-    # ---- swap ---------------------------------------------------------------------------
+    # ---- swap (the copies are in kvcache.swap) ------------------------------------------
     def swap_out(self, seq_id) -> bool:
         """Move the sequence's blocks to the host pool. False when the host pool is full."""
-        t = self.table(seq_id)
-        if self.host_storage is None or self.storage is None:
-            raise ValueError("swap needs a device storage and a host storage")
-        if t.swapped:
-            raise ValueError(f"sequence {seq_id!r} is already swapped out")
-        host = self.host_allocator.allocate_many(len(t.blocks))  # type: ignore[union-attr]
-        if host is None:
-            return False
-        src = torch.tensor(t.blocks, dtype=torch.long, device=self.storage.device)
-        dst = torch.tensor(host, dtype=torch.long)
-        self.host_storage.data[dst] = self.storage.data[src].to(self.host_storage.device)
-        self.allocator.free_many(t.blocks[::-1])
-        t.blocks, t.swapped = host, True
-        return True
+        return swap.swap_out(self, seq_id)
 
     def swap_in(self, seq_id) -> bool:
         """Bring a swapped-out sequence back into the device pool. False on shortage."""
-        t = self.table(seq_id)
-        if not t.swapped:
-            raise ValueError(f"sequence {seq_id!r} is not swapped out")
-        dev = self.allocator.allocate_many(len(t.blocks))
-        if dev is None:
-            return False
-        src = torch.tensor(t.blocks, dtype=torch.long)
-        dst = torch.tensor(dev, dtype=torch.long, device=self.storage.device)  # type: ignore[union-attr]
-        self.storage.data[dst] = self.host_storage.data[src].to(self.storage.device)  # type: ignore[union-attr]
-        self.host_allocator.free_many(t.blocks[::-1])  # type: ignore[union-attr]
-        t.blocks, t.swapped = dev, False
-        # Its full blocks are the only copy now if the cache evicted the originals: re-register.
-        for i, h in enumerate(t.block_hashes):
-            self.allocator.register(dev[i], h)
-        return True
+        return swap.swap_in(self, seq_id)
 
     # ---- accounting ---------------------------------------------------------------------
     def usage(self) -> dict:
@@ -325,26 +258,6 @@ class KVCacheManager:
         }
 
     def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
-        """Allocator invariants plus: each block's ref count equals the tables naming it.
-
-        extra_refs: references held outside the tables (e.g. a migration lease).
-        """
-        dev: dict[int, int] = dict(extra_refs or {})
-        host: dict[int, int] = {}
-        B = self.block_size
-        for seq_id, t in self.tables.items():
-            _require(len(t.blocks) == blocks_for(t.num_tokens, B),
-                     f"sequence {seq_id!r}: {len(t.blocks)} blocks for {t.num_tokens} tokens")
-            _require(len(set(t.blocks)) == len(t.blocks), f"sequence {seq_id!r} names a block twice")
-            _require(0 <= t.num_computed <= t.num_tokens,
-                     f"sequence {seq_id!r}: {t.num_computed} computed of {t.num_tokens} tokens")
-            _require(len(t.block_hashes) <= t.num_computed // B,
-                     f"sequence {seq_id!r}: {len(t.block_hashes)} sealed blocks, {t.num_computed} computed")
-            _require(not t.swapped or self.host_allocator is not None,
-                     f"sequence {seq_id!r} is swapped out but there is no host pool")
-            counts = host if t.swapped else dev
-            for b in t.blocks:
-                counts[b] = counts.get(b, 0) + 1
-        self.allocator.check_integrity(dev)
-        if self.host_allocator is not None:
-            self.host_allocator.check_integrity(host)
+        """Allocator invariants plus: each block's ref count equals the tables naming it
+        (`kvcache.integrity`). extra_refs: references held outside the tables (a migration lease)."""
+        integrity.check_manager(self, extra_refs)
