@@ -1,6 +1,7 @@
 """Shared test setup: hypothesis profiles (select with HYPOTHESIS_PROFILE), one torch thread,
-the `gpu` marker's skip when CUDA is absent, and the cluster tests' module-scoped fixtures
-(a local Ray, the in-process reference engine)."""
+the `gpu` marker's skip when CUDA is absent, the cluster tests' module-scoped fixtures
+(a local Ray, the in-process reference engine) and the HTTP API tests' ones (an event loop on a
+thread, the coordinator's app over a tiny-model backend; see http_harness.py)."""
 
 import os
 
@@ -33,6 +34,22 @@ def local_engine():
     from engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model="tiny"))
+
+
+@pytest.fixture(scope="module")
+def http_loop():
+    """An asyncio event loop on a daemon thread, for one HTTP API test module."""
+    from http_harness import loop_on_thread
+
+    yield from loop_on_thread()
+
+
+@pytest.fixture(scope="module")
+def http_server(http_loop):
+    """The coordinator's HTTP app on a loopback port over a LocalEngineBackend (tiny model)."""
+    from http_harness import serve_local
+
+    yield from serve_local(http_loop)
 
 
 def pytest_collection_modifyitems(config, items):
