@@ -1,8 +1,8 @@
 """Paged KV cache core shared by every worker: the block-major storage tensor (`storage`), the
 block allocator with ref counts, a two-queue free list and prefix hashes (`allocator`), and the
 manager that owns per-sequence block tables, prefix matching, copy-on-write, fork and swap
-(`manager`). It knows nothing of requests, models, workers or transports. `sim/` runs the
-allocator-policy simulator of the second seed on top of the same allocator.
+(`manager`). It knows nothing of requests, models, workers or transports. The allocator-policy
+simulator of the second seed, built on the same allocator, lives in `bench/sim/`.
 """
 
 from kvcache.allocator import BlockAllocator, IntegrityError, hash_block

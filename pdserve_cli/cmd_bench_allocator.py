@@ -36,7 +36,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from kvcache.bench import BenchConfig, format_results, run_bench
+    from bench.allocator import BenchConfig, format_results, run_bench
 
     try:
         cfg = BenchConfig(sizes=tuple(args.sizes), ops=args.ops, repeats=args.repeats)

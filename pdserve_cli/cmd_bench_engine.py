@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from engine.bench import run as bench
+    from bench.engine import run as bench
 
     torch.set_num_threads(args.threads)
 

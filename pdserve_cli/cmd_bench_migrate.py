@@ -30,8 +30,8 @@ def run(args) -> int:
     import json
     from dataclasses import replace
 
-    from transfer.bench import QUICK, BenchConfig, run_bench
-    from transfer.bench_report import format_summary, plot, summarize
+    from bench.migrate import QUICK, BenchConfig, run_bench
+    from bench.migrate_report import format_summary, plot, summarize
 
     cfg = QUICK if args.quick else BenchConfig()
     over = {}

@@ -9,7 +9,7 @@ HELP = "benchmark serving: disaggregated vs colocated, TTFT/TPOT/goodput under P
 GROUP = "bench"
 
 
-PRESETS = ("long-prompt-short-output", "short-prompt-long-output")  # coordinator.loadgen.PRESETS
+PRESETS = ("long-prompt-short-output", "short-prompt-long-output")  # bench.loadgen.PRESETS
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -37,7 +37,8 @@ def run(args) -> int:
     import json
     from dataclasses import replace
 
-    from coordinator.bench_serve import QUICK, ServeBenchConfig, format_overhead, format_table, run_bench
+    from bench.serve import QUICK, ServeBenchConfig, run_bench
+    from bench.serve_report import format_overhead, format_table
 
     cfg = QUICK if args.quick else ServeBenchConfig()
     over: dict = {}
@@ -84,7 +85,7 @@ def run(args) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot and report["runs"]:
-        from coordinator.bench_plot import plot
+        from bench.serve_report import plot
 
         plot(report, args.plot)
         print(f"wrote {args.plot}")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from bench.allocator import OPS, BenchConfig, run_bench
 from kvcache.allocator import BlockAllocator
-from kvcache.bench import OPS, BenchConfig, run_bench
 from kvcache.manager import KVCacheManager
 from pdserve_cli.main import main
 

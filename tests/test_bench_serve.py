@@ -12,8 +12,9 @@ import threading
 import numpy as np
 import pytest
 
-from coordinator import bench_serve as bs
-from coordinator.loadgen import (
+from bench import serve as bs
+from bench import serve_metrics as sm
+from bench.loadgen import (
     PRESETS,
     PROMPT_ID_RANGE,
     LengthDist,
@@ -107,17 +108,17 @@ def _records():
 
 def test_per_request_metrics():
     a, b, _, d = _records()
-    assert bs.ttft_ms(a) == pytest.approx(100) and bs.e2e_ms(b) == pytest.approx(400)
-    assert bs.tpot_ms(a) == pytest.approx(20) and bs.tpot_ms(b) == pytest.approx(50) and bs.tpot_ms(d) is None
-    assert bs.itl_ms(a) == pytest.approx([20, 20, 20]) and bs.itl_ms(b) == pytest.approx([50, 50])
-    assert bs.migration_share(a) == pytest.approx(0.1) and bs.migration_share(d) == 0.0
-    slo = bs.SLO(ttft_ms=200, tpot_ms=30)
-    assert [bs.meets_slo(r, slo) for r in (a, b, d)] == [True, False, True]
-    assert not bs.meets_slo(a, bs.SLO(ttft_ms=200, tpot_ms=19))
+    assert sm.ttft_ms(a) == pytest.approx(100) and sm.e2e_ms(b) == pytest.approx(400)
+    assert sm.tpot_ms(a) == pytest.approx(20) and sm.tpot_ms(b) == pytest.approx(50) and sm.tpot_ms(d) is None
+    assert sm.itl_ms(a) == pytest.approx([20, 20, 20]) and sm.itl_ms(b) == pytest.approx([50, 50])
+    assert sm.migration_share(a) == pytest.approx(0.1) and sm.migration_share(d) == 0.0
+    slo = sm.SLO(ttft_ms=200, tpot_ms=30)
+    assert [sm.meets_slo(r, slo) for r in (a, b, d)] == [True, False, True]
+    assert not sm.meets_slo(a, sm.SLO(ttft_ms=200, tpot_ms=19))
 
 
 def test_summarize_against_hand_computed_values():
-    s = bs.summarize(_records(), duration_s=4.0, slo=bs.SLO(ttft_ms=200, tpot_ms=30))
+    s = sm.summarize(_records(), duration_s=4.0, slo=sm.SLO(ttft_ms=200, tpot_ms=30))
     assert (s["completed"], s["failed"]) == (3, 1) and s["errors"] == ["HTTP 503: gone"]
     # ttft [100, 300, 50]: sorted [50, 100, 300]; p90 at rank 1.8 -> 100 + 0.8 * 200
     assert s["ttft_ms"]["p50"] == pytest.approx(100)
@@ -130,7 +131,7 @@ def test_summarize_against_hand_computed_values():
     assert s["request_throughput"] == pytest.approx(3 / 4) and s["duration"] == 4.0
     assert s["migration_share_of_ttft"]["p50"] == pytest.approx(0.1) and s["migrated"] == 2
     assert RUN_KEYS - {"mode", "rate"} <= set(s) and VLLM_KEYS <= set(s)
-    empty = bs.summarize([_records()[2]], 1.0, bs.SLO())
+    empty = sm.summarize([_records()[2]], 1.0, sm.SLO())
     assert empty["completed"] == 0 and empty["ttft_ms"] == {"p50": None, "p90": None, "p99": None}
     json.dumps(empty, allow_nan=False)
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.sim.policies import make_policies
+from bench.sim.run import StepStats, results_to_json, run_policy, simulate
+from bench.sim.scenario import ScenarioError, load_default_scenario, load_scenario, parse_scenario
 from kvcache.allocator import BlockAllocator
-from kvcache.sim.policies import make_policies
-from kvcache.sim.run import StepStats, results_to_json, run_policy, simulate
-from kvcache.sim.scenario import ScenarioError, load_default_scenario, load_scenario, parse_scenario
 from pdserve_cli.main import main
 
 

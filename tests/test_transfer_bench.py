@@ -4,9 +4,9 @@ plus the baselines that are cheap to run here."""
 
 import json
 
+from bench import baselines
+from bench.migrate_report import summarize
 from pdserve_cli.main import main
-from transfer import baselines
-from transfer.bench_report import summarize
 
 RESULT_KEYS = {"transport", "kv_shape", "tokens", "block_size", "bytes", "latency_ms_p50", "latency_ms_p99",
                "gb_per_s", "verified", "export_ms_p50", "wire_ms_p50", "import_ms_p50", "manifest_ratio"}

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
+from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence
-from transfer.pools import fill_random_sequence, make_manager
 from transfer.transport import TransportConfig
 from transfer.zmq_transport import ZmqReceiver, ZmqSender
 

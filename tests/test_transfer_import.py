@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
@@ -18,7 +19,6 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence
 from transfer.lease import LeaseTable
 from transfer.metrics import TransferMetrics
-from transfer.pools import fill_random_sequence, make_manager
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 B/token
 

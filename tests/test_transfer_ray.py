@@ -5,12 +5,13 @@ with the actor's pool unchanged, and a dead receiver turning into a bounded Tran
 import pytest
 import torch
 
+from bench.pools import fill_random_sequence, kv_digest, make_manager
+from bench.ray_receiver import PoolReceiver
 from kvcache.storage import KVLayout
 from transfer import errors as E
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
-from transfer.pools import fill_random_sequence, kv_digest, make_manager
-from transfer.ray_transport import PoolReceiver, RaySender
+from transfer.ray_transport import RaySender
 from transfer.transport import TransportConfig
 
 ray = pytest.importorskip("ray")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
 from transfer import errors as E
 from transfer.checksum import checksum
@@ -20,7 +21,6 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
 from transfer.messages import PROTOCOL_VERSION, Hello
 from transfer.metrics import TransferMetrics
-from transfer.pools import fill_random_sequence, make_manager
 from transfer.transport import TransportConfig, ipc_address
 from transfer.zmq_transport import ZmqReceiver, ZmqSender
 from transfer.zmq_wire import DATA, TOKEN

@@ -9,8 +9,8 @@ duplicate prefix blocks shared rather than sent (`blocks`), stale epochs refused
 sender blocks leased until the ack (`lease`). Two transports follow one contract
 (`transport`): ZeroMQ over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_wire`) and Ray
 (`ray_transport`). Every failure is a typed `errors.TransferError`, counted in `metrics`, and
-leaves the receiver's pool unchanged. `bench`, `bench_peer`, `baselines`, `bench_report` and
-`pools` make up `pdserve bench migrate`.
+leaves the receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its
+synthetic pools live in the top-level `bench` package, which nothing here imports.
 
 Entry points for workers: `export_sequence` / `import_sequence` (in process), `ImportSession`
 (driven chunk by chunk), `ZmqSender.migrate` / `ZmqReceiver.poll`, `RaySender.migrate` /

@@ -8,8 +8,7 @@ once into the object store (frames under 100 KiB travel inline with the call). R
 frames over as read-only numpy arrays mapped from shared memory (zero-copy), which
 `import_sequence` copies once into the reserved blocks. Our own messages cross as msgpack
 bytes; Ray serializes the call itself. The receiving actor exposes `kv_hello(conn, bytes)`,
-`kv_query(conn, bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes;
-`PoolReceiver` is such an actor body with its own pool (used by the benchmark and tests).
+`kv_query(conn, bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes.
 """
 
 from __future__ import annotations
@@ -180,43 +179,6 @@ class RaySender:
         """Dedupe query, export (checksums in the manifest), send; see `transport.migrate`."""
         return migrate(self, manager, seq_id, request_id, epoch, state, dedupe=dedupe, leases=leases,
                        timeout=timeout, checksum_mode="manifest")
-
-
-class PoolReceiver(RayReceiverEndpoint):
-    """Actor body with its own synthetic pool: `ray.remote(PoolReceiver).remote(...)`."""
-
-    def __init__(self, layout_args: tuple, num_blocks: int, config: TransportConfig | None = None,
-                 prefault: bool = False):
-        from kvcache.storage import KVLayout
-        from transfer.pools import make_manager
-
-        manager = make_manager(KVLayout(*layout_args), num_blocks, prefault=prefault)
-        super().__init__(manager, config, metrics=TransferMetrics())
-
-    def digest(self, seq_id) -> int:
-        from transfer.pools import kv_digest
-
-        return kv_digest(self.manager, seq_id)
-
-    def free(self, seq_id, scrub: bool = True) -> None:
-        from transfer.pools import scrub_blocks
-
-        if scrub:
-            scrub_blocks(self.manager, [b for b in self.manager.table(seq_id).blocks
-                                        if self.manager.allocator.ref_count(b) == 1])
-        self.manager.free(seq_id)
-
-    def touch(self, *arrays) -> int:
-        """Read one byte per page of each array (warms the object store mappings in this process)."""
-        return int(sum(int(a[::4096].sum()) for a in arrays))
-
-    def stats(self) -> dict:
-        self.manager.check_integrity()
-        a = self.manager.allocator
-        return {"free": a.num_free, "cached": a.num_cached, "used": a.num_used,
-                "tables": len(self.manager.tables),
-                "metrics": self.metrics.snapshot(),
-                "timings": dict(self.last_result.timings) if self.last_result else {}}
 
 
 def _reply_of(sender, data: bytes, cls):

@@ -1,4 +1,4 @@
-"""The benchmark's receiving process: `python -m transfer.bench_peer --control ADDR`.
+"""The migration benchmark's receiving process: `python -m bench.migrate_peer --control ADDR`.
 
 It owns its own pool and a `ZmqReceiver`, so every measured transfer crosses a real socket
 between two processes. The benchmark drives it over a REQ/REP control socket with msgpack
@@ -18,10 +18,10 @@ import msgpack
 import numpy as np
 import zmq
 
+from bench.pools import kv_digest, make_manager, scrub_blocks
 from kvcache.storage import KVLayout
 from transfer.errors import TransferError
 from transfer.metrics import TransferMetrics
-from transfer.pools import kv_digest, make_manager, scrub_blocks
 from transfer.transport import TransportConfig
 from transfer.zmq_receiver import ZmqReceiver
 

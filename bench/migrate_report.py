@@ -1,6 +1,7 @@
-"""Turn a migration benchmark report into a summary (ratios against the baselines at the same
-payload size, manifest overhead, fixed per-transfer overhead) and a two-panel plot: latency
-against tokens, and GB/s of each transport against the baselines at the largest payload.
+"""Turn a migration benchmark report (from `bench.migrate`) into a summary (ratios against the
+baselines at the same payload size, manifest overhead, fixed per-transfer overhead) and a
+two-panel plot: latency against tokens, and GB/s of each transport against the baselines at the
+largest payload.
 """
 
 from __future__ import annotations

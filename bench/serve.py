@@ -5,13 +5,11 @@ Ray (started once; clusters brought up one after another and always shut down), 
 running coordinator (`url`, one mode named by `mode`). Per mode: a short warm-up, then the
 overhead measurement vLLM uses for disaggregation (requests one at a time at low load:
 prefill-only ones with max_tokens=1 against full ones of the same lengths, so the TTFT that
-migration adds is seen alone), then one open-loop run (coordinator.loadgen) per request rate.
-Every run is summarised from client-side records (`summarize`): TTFT, TPOT ((e2e - ttft) /
-(output tokens - 1)), ITL (each chunk's gap spread over its tokens), e2e latency, their
-p50/p90/p99, output tokens/s, goodput (requests/s meeting BOTH the TTFT and the TPOT SLO, as
-DistServe defines it) and the server-reported KV migration time as a share of client TTFT,
-plus the same quantities under vLLM `bench serve`'s names. Every prompt set is drawn from its
-own seed (the same seeds for every mode), so no run hits another's prefix cache.
+migration adds is seen alone), then one open-loop run (`bench.loadgen`) per request rate.
+Every run is summarised from client-side records by `bench.serve_metrics.summarize` (TTFT, TPOT,
+ITL, e2e percentiles, throughput, goodput under the SLO, migration share of TTFT, and vLLM's
+names for them); `bench.serve_report` formats the tables and draws the plot. Every prompt set is
+drawn from its own seed (the same seeds for every mode), so no run hits another's prefix cache.
 """
 
 from __future__ import annotations
@@ -23,22 +21,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from coordinator import loadgen
-from coordinator.loadgen import RequestRecord, RequestSpec, Workload, make_requests, preset, run_load
+from bench import loadgen
+from bench.loadgen import RequestRecord, RequestSpec, Workload, make_requests, preset, run_load
+from bench.serve_metrics import SLO, mean_or_none, percentiles, present, summarize, ttft_ms
+from bench.serve_report import fmt, format_run
 
 MODES = ("disaggregated", "colocated")
-PCTS = (50, 90, 99)
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Goodput thresholds (ms): a request counts when its TTFT <= ttft_ms AND TPOT <= tpot_ms
-    (a one-token answer has no TPOT and meets that half). The defaults are about 5x the
-    unloaded latencies of the tiny model on a 2-core CPU (a 768-token prefill ~100 ms, a decode
-    step ~5 ms), DistServe's way of scaling SLOs to the model and machine."""
-
-    ttft_ms: float = 500.0
-    tpot_ms: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -85,94 +73,6 @@ class ServeBenchConfig:
 QUICK = ServeBenchConfig(rates=(1.5, 3.0, 5.0), num_requests=40, overhead_requests=4, warmup_requests=2)
 
 
-# ---- metrics --------------------------------------------------------------------------------
-def percentiles(values: list[float]) -> dict:
-    """p50/p90/p99 (numpy's linear interpolation, as vLLM); None for each when there are no values."""
-    if not values:
-        return {f"p{p}": None for p in PCTS}
-    arr = np.asarray(values, dtype=float)
-    return {f"p{p}": float(np.percentile(arr, p)) for p in PCTS}
-
-
-def ttft_ms(r: RequestRecord) -> float:
-    return (r.first_s - r.send_s) * 1000.0
-
-
-def e2e_ms(r: RequestRecord) -> float:
-    return (r.end_s - r.send_s) * 1000.0
-
-
-def tpot_ms(r: RequestRecord) -> float | None:
-    """Time per output token after the first: (e2e - ttft) / (tokens - 1); None for one token."""
-    if r.output_tokens < 2:
-        return None
-    return (e2e_ms(r) - ttft_ms(r)) / (r.output_tokens - 1)
-
-
-def itl_ms(r: RequestRecord) -> list[float]:
-    """Inter-token latencies: each chunk's gap after the previous one, spread evenly over its tokens."""
-    out: list[float] = []
-    for k in range(1, len(r.chunk_s)):
-        gap, n = (r.chunk_s[k] - r.chunk_s[k - 1]) * 1000.0, r.chunk_tokens[k]
-        out += [gap / n] * n
-    return out
-
-
-def meets_slo(r: RequestRecord, slo: SLO) -> bool:
-    t = tpot_ms(r)
-    return ttft_ms(r) <= slo.ttft_ms and (t is None or t <= slo.tpot_ms)
-
-
-def migration_share(r: RequestRecord) -> float:
-    """Server-side migration ms over client TTFT (0 when the request was not migrated)."""
-    return (r.migration_ms or 0.0) / ttft_ms(r) if ttft_ms(r) > 0 else 0.0
-
-
-def _present(recs: list[RequestRecord], name: str) -> list[float]:
-    return [getattr(r, name) for r in recs if getattr(r, name) is not None]
-
-
-def _mean(v: list[float]) -> float | None:
-    return float(np.mean(v)) if v else None
-
-
-def _median(v: list[float]) -> float | None:
-    return float(np.median(v)) if v else None
-
-
-def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict:
-    """One run's metrics from client records (only completed requests enter the latencies)."""
-    done = [r for r in records if r.ok]
-    ttft = [ttft_ms(r) for r in done]
-    tpot = [t for t in (tpot_ms(r) for r in done) if t is not None]
-    itl = [x for r in done for x in itl_ms(r)]
-    e2e = [e2e_ms(r) for r in done]
-    server_ttft, mig = _present(done, "server_ttft_ms"), _present(done, "migration_ms")
-    out_tokens = sum(r.output_tokens for r in done)
-    dur = max(duration_s, 1e-9)
-    good = sum(meets_slo(r, slo) for r in done)
-    res = {
-        "completed": len(done), "failed": len(records) - len(done),
-        "errors": sorted({r.error for r in records if r.error})[:5],
-        "duration": duration_s,
-        "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
-        "e2e_ms": percentiles(e2e), "server_ttft_ms": percentiles(server_ttft),
-        "throughput_tok_s": out_tokens / dur, "goodput_req_s": good / dur,
-        "slo_attainment": good / len(records) if records else None,
-        "migration_ms": percentiles(mig), "migrated": len(mig),
-        "migration_share_of_ttft": percentiles([migration_share(r) for r in done]),
-        # the same quantities under vLLM `bench serve`'s result-file names
-        "total_input_tokens": sum(r.prompt_tokens for r in done), "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / dur, "output_throughput": out_tokens / dur,
-        "request_goodput": good / dur,
-    }
-    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        res[f"mean_{name}_ms"] = _mean(vals)
-        res[f"median_{name}_ms"] = _median(vals)
-        res[f"p99_{name}_ms"] = percentiles(vals)["p99"]
-    return res
-
-
 # ---- running ---------------------------------------------------------------------------------
 def _workload(cfg: ServeBenchConfig, rate: float, n: int, seed: int) -> Workload:
     return preset(cfg.preset, rate, n, seed)
@@ -212,16 +112,16 @@ def measure_overhead(url: str, cfg: ServeBenchConfig, log) -> dict:
         ok = [r for r in recs if r.ok]
         res[name] = {"completed": len(ok), "failed": len(recs) - len(ok),
                      "ttft_ms": percentiles([ttft_ms(r) for r in ok]),
-                     "mean_ttft_ms": _mean([ttft_ms(r) for r in ok]),
-                     "server_ttft_ms": percentiles(_present(ok, "server_ttft_ms")),
-                     "migration_ms": percentiles(_present(ok, "migration_ms"))}
+                     "mean_ttft_ms": mean_or_none([ttft_ms(r) for r in ok]),
+                     "server_ttft_ms": percentiles(present(ok, "server_ttft_ms")),
+                     "migration_ms": percentiles(present(ok, "migration_ms"))}
     for key, name in (("ttft_ms", "added_ttft_ms_p50"), ("server_ttft_ms", "added_server_ttft_ms_p50")):
         a50, b50 = res["prefill_only"][key]["p50"], res["full"][key]["p50"]
         res[name] = None if a50 is None or b50 is None else b50 - a50
     p_only, p_full = res["prefill_only"]["ttft_ms"]["p50"], res["full"]["ttft_ms"]["p50"]
     mig = res["full"]["migration_ms"]["p50"]
-    log(f"  overhead: TTFT p50 prefill-only {_fmt(p_only)} ms, full {_fmt(p_full)} ms "
-        f"(added {_fmt(res['added_ttft_ms_p50'])} ms; migration p50 {_fmt(mig)} ms)")
+    log(f"  overhead: TTFT p50 prefill-only {fmt(p_only)} ms, full {fmt(p_full)} ms "
+        f"(added {fmt(res['added_ttft_ms_p50'])} ms; migration p50 {fmt(mig)} ms)")
     return res
 
 
@@ -302,46 +202,3 @@ def run_bench(cfg: ServeBenchConfig, log=print) -> dict:
                        "decode": cfg.decode, "transport": cfg.transport, "seed": cfg.seed,
                        "url": cfg.url, "model": "tiny"},
             "runs": runs, "overhead": overhead}
-
-
-# ---- text ------------------------------------------------------------------------------------
-def _fmt(x, nd: int = 1) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def _p(r: dict, key: str, p: str, nd: int = 1) -> str:
-    return _fmt(r[key][p], nd)
-
-
-def format_run(r: dict) -> str:
-    return (f"done {r['completed']} failed {r['failed']} | TTFT p50/p99 {_p(r, 'ttft_ms', 'p50')}/"
-            f"{_p(r, 'ttft_ms', 'p99')} ms | TPOT p50/p99 {_p(r, 'tpot_ms', 'p50')}/"
-            f"{_p(r, 'tpot_ms', 'p99')} ms | {r['throughput_tok_s']:.0f} tok/s | goodput "
-            f"{r['goodput_req_s']:.2f} req/s | migration/TTFT p50 "
-            f"{_p(r, 'migration_share_of_ttft', 'p50', 3)}")
-
-
-def format_table(report: dict) -> str:
-    head = ("| mode | rate (req/s) | done/failed | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p99 | "
-            "tok/s | goodput (req/s) | migration share of TTFT p50/p99 |")
-    lines = [head, "|" + "---|" * 11]
-    for r in sorted(report["runs"], key=lambda r: (r["rate"], r["mode"])):
-        share = "migration_share_of_ttft"
-        lines.append(f"| {r['mode']} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
-                     f"{_p(r, 'ttft_ms', 'p50')} | {_p(r, 'ttft_ms', 'p99')} | {_p(r, 'tpot_ms', 'p50')} | "
-                     f"{_p(r, 'tpot_ms', 'p99')} | {_p(r, 'itl_ms', 'p99')} | {r['throughput_tok_s']:.0f} | "
-                     f"{r['goodput_req_s']:.2f} | "
-                     f"{_p(r, share, 'p50', 3)} / {_p(r, share, 'p99', 3)} |")
-    return "\n".join(lines)
-
-
-def format_overhead(report: dict) -> str:
-    lines = ["| mode | TTFT p50 max_tokens=1 | TTFT p50 full | added (client) | added (server) | "
-             "migration p50 |", "|" + "---|" * 6]
-    for mode, o in (report.get("overhead") or {}).items():
-        if o:
-            only, full = o["prefill_only"], o["full"]
-            lines.append(f"| {mode} | {_p(only, 'ttft_ms', 'p50')} | {_p(full, 'ttft_ms', 'p50')} | "
-                         f"{_fmt(o['added_ttft_ms_p50'])} | {_fmt(o['added_server_ttft_ms_p50'])} | "
-                         f"{_p(full, 'migration_ms', 'p50')} |")
-    return "\n".join(lines)

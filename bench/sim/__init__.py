@@ -5,8 +5,8 @@ allocation with several block sizes, the paged policy using the workers' own `Bl
 loop and its metrics, and `figure` draws the cache over time; `pdserve simulate` is the command.
 """
 
-from kvcache.sim.run import PolicyResult, StepStats, results_to_json, run_policy, simulate
-from kvcache.sim.scenario import Request, Scenario, ScenarioError, load_scenario, parse_scenario
+from bench.sim.run import PolicyResult, StepStats, results_to_json, run_policy, simulate
+from bench.sim.scenario import Request, Scenario, ScenarioError, load_scenario, parse_scenario
 
 __all__ = ["PolicyResult", "StepStats", "results_to_json", "run_policy", "simulate", "Request", "Scenario",
            "ScenarioError", "load_scenario", "parse_scenario"]

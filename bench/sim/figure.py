@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcache.sim.run import PolicyResult
-from kvcache.sim.scenario import Scenario
+from bench.sim.run import PolicyResult
+from bench.sim.scenario import Scenario
 
 FORMATS = (".svg", ".png")
 

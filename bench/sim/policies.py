@@ -15,9 +15,9 @@ figure) as segments `(first_slot, length, request_id, live)`.
 
 from __future__ import annotations
 
+from bench.sim.scenario import Request, Scenario
 from kvcache.allocator import BlockAllocator
 from kvcache.manager import KVCacheManager, blocks_for
-from kvcache.sim.scenario import Request, Scenario
 
 Segment = tuple[int, int, str, bool]  # (first slot, number of slots, request id, live?)
 

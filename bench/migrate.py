@@ -2,13 +2,14 @@
 
 Each point fills a sender pool with random non-zero KV for one sequence, then per repeat runs
 export -> wire -> import into a receiver pool that lives in another process (a spawned
-`transfer.bench_peer` for ZeroMQ, a Ray actor for Ray), and checks that the receiver's KV digest
-equals the sender's. Reported per point: p50/p99 latency, GB/s at p50, the export / wire /
-import split (export: building manifest and frames; import: the receiver's validate+reserve and
-commit phases, or the whole actor call for Ray; wire: the rest, which includes the overlapped
-chunk copies and checksums), the manifest's size against the payload, frames and chunks.
-Baselines (memcpy, raw_tcp, pickle_pipe, nixl, and the xxh3 checksum speed) are measured in the
-same run over the same payload sizes, each size right after its transfers (same machine load).
+`bench.migrate_peer` for ZeroMQ, a `bench.ray_receiver.PoolReceiver` actor for Ray), and checks
+that the receiver's KV digest equals the sender's. Reported per point: p50/p99 latency, GB/s at
+p50, the export / wire / import split (export: building manifest and frames; import: the
+receiver's validate+reserve and commit phases, or the whole actor call for Ray; wire: the rest,
+which includes the overlapped chunk copies and checksums), the manifest's size against the
+payload, frames and chunks. Baselines (memcpy, raw_tcp, pickle_pipe, nixl, and the xxh3 checksum
+speed; `bench.baselines`) are measured in the same run over the same payload sizes, each size
+right after its transfers (same machine load). `bench.migrate_report` summarises and plots it.
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ import numpy as np
 import torch
 import zmq
 
+from bench.baselines import Baselines
+from bench.pools import fill_random_sequence, kv_digest, make_manager, parse_kv_shape
 from kvcache.manager import blocks_for
 from kvcache.storage import KVLayout
-from transfer import baselines
-from transfer.checksum import measure_gb_per_s
 from transfer.codec import encode
 from transfer.export import ExportConfig, export_sequence
-from transfer.pools import fill_random_sequence, kv_digest, make_manager, parse_kv_shape
 from transfer.transport import TransportConfig, ipc_address
 from transfer.zmq_wire import DATA
 
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ray")
-PICKLE_MAX_BYTES = 1 << 30  # the pickle baseline holds ~4 copies of the payload at once
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ class PeerProcess:
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "transfer.bench_peer", "--control",
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.migrate_peer", "--control",
                                       f"tcp://127.0.0.1:{port}"], env=env)
         self.timeout = timeout
         self.call(cmd="ping")
@@ -119,7 +118,8 @@ class _Receivers:
         if "ray" in transports:
             import ray
 
-            from transfer.ray_transport import PoolReceiver, RaySender
+            from bench.ray_receiver import PoolReceiver
+            from transfer.ray_transport import RaySender
 
             self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
             s = RaySender(fp, self.actor, TransportConfig(chunk_bytes=chunk_bytes, checksum_mode="manifest"))
@@ -242,7 +242,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     peer = PeerProcess() if any(t.startswith("zmq") for t in cfg.transports) or cfg.baselines else None
     ray_started, results, store, base = False, [], 0, None
     try:
-        base = _Baselines(cfg, peer, log) if cfg.baselines else None
+        base = Baselines(peer, cfg.repeats, log) if cfg.baselines else None
         if "ray" in cfg.transports:
             import ray
 
@@ -266,33 +266,3 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             ray.shutdown()
     return {"results": results, "baselines": base.rows if base is not None else []}
 
-
-class _Baselines:
-    """Measures every baseline once per payload size, right after the transports' points at that
-    size, so both see the same machine conditions."""
-
-    def __init__(self, cfg: BenchConfig, peer: PeerProcess, log):
-        self.cfg, self.peer, self.log, self.rows, self.sizes = cfg, peer, log, [], set()
-        self.rows.append({"name": "xxh3_checksum", "bytes": 64 << 20, "gb_per_s": measure_gb_per_s()})
-        self.pickle = baselines.PicklePipe()
-
-    def measure(self, n: int) -> None:
-        if n in self.sizes:
-            return
-        self.sizes.add(n)
-        reps = max(3, self.cfg.repeats)
-        payload = np.random.default_rng(n).integers(1, 256, size=n, dtype=np.uint8)
-        rows = [{"name": "memcpy", "bytes": n, "gb_per_s": baselines.memcpy(n, reps)},
-                {"name": "raw_tcp", "bytes": n, "gb_per_s": baselines.raw_tcp(
-                    memoryview(payload), lambda k: self.peer.call(cmd="raw_tcp", nbytes=k)["port"], reps)}]
-        if n <= PICKLE_MAX_BYTES:
-            rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": self.pickle.measure(payload, 3)})
-        else:
-            rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": None, "note": "skipped above 1 GiB"})
-        rows.append({"name": "nixl", "bytes": n, **baselines.nixl(n, reps)})
-        self.rows += rows
-        self.log(f"baselines at {n / 2**20:.2f} MiB: " + ", ".join(
-            f"{b['name']} {b['gb_per_s']:.2f} GB/s" if b["gb_per_s"] else f"{b['name']} n/a" for b in rows))
-
-    def close(self) -> None:
-        self.pickle.close()

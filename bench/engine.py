@@ -6,6 +6,7 @@ The checkpoint is a randomly initialised LlamaForCausalLM written with `save_pre
 greedily for exactly `max_tokens` tokens per prompt (EOS ignored); the report gives tokens/s,
 the ratio, the engine's per-step latency percentiles, and how many prompts produced identical
 token ids on both sides. Each side gets one short untimed warm-up generation first.
+`write_random_llama` also gives the tests their small random checkpoints.
 """
 
 from __future__ import annotations

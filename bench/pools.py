@@ -1,7 +1,8 @@
-"""Synthetic KV pools for the migration benchmark and tests: build a manager over a pool, give a
-sequence random non-zero KV (so a transfer that writes nothing cannot pass), and compute a
-canonical digest of a sequence's KV that does not depend on block size or placement (ordered by
-layer, key/value, token, head, channel), so sender and receiver can compare without a copy.
+"""Synthetic KV pools for the migration benchmark (`bench.migrate`) and the tests: build a manager
+over a pool, give a sequence random non-zero KV (so a transfer that writes nothing cannot pass),
+and compute a canonical digest of a sequence's KV that does not depend on block size or placement
+(ordered by layer, key/value, token, head, channel), so sender and receiver can compare without a
+copy. Nothing in the runtime uses these pools; workers build theirs from the engine's config.
 """
 
 from __future__ import annotations

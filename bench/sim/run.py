@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from kvcache.sim.policies import Segment, make_policies
-from kvcache.sim.scenario import Request, Scenario
+from bench.sim.policies import Segment, make_policies
+from bench.sim.scenario import Request, Scenario
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@
 - nixl: NVIDIA's transfer library (UCX backend) between two agents in this process, when the
   optional `nixl` package is importable; otherwise reported as not installed. (It is not
   installed on the build machines, so that path has not been run here.)
-Each returns GB/s (1e9 bytes per second) of the median of `repeats` timed runs.
+Each returns GB/s (1e9 bytes per second) of the median of `repeats` timed runs. `Baselines`
+measures all of them (and the xxh3 checksum speed) once per payload size for `bench.migrate`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import time
 
 import numpy as np
 import torch
+
+from transfer.checksum import measure_gb_per_s
+
+PICKLE_MAX_BYTES = 1 << 30  # the pickle baseline holds ~4 copies of the payload at once
 
 
 def _median_gbps(nbytes: int, times: list[float]) -> float:
@@ -45,7 +50,7 @@ def memcpy(nbytes: int, repeats: int = 5) -> float:
 
 
 def raw_tcp(payload: memoryview, open_sink, repeats: int = 5) -> float:
-    """open_sink(nbytes) -> port of a one-shot sink in another process (see bench_peer)."""
+    """open_sink(nbytes) -> port of a one-shot sink in another process (see bench.migrate_peer)."""
     times = []
     for _ in range(repeats):
         port = open_sink(payload.nbytes)
@@ -135,3 +140,35 @@ def nixl(nbytes: int, repeats: int = 5) -> dict:
         return {"gb_per_s": _median_gbps(nbytes, times), "note": "UCX, two agents in one process"}
     except Exception as e:  # an optional peer library: report, do not fail the benchmark
         return {"gb_per_s": None, "note": f"nixl failed: {type(e).__name__}: {e}"[:300]}
+
+
+class Baselines:
+    """Measures every baseline once per payload size, right after the transports' points at that
+    size, so both see the same machine conditions. peer: the benchmark's receiving process (it
+    opens the raw_tcp sinks); rows: what was measured so far, in the report's format."""
+
+    def __init__(self, peer, repeats: int, log):
+        self.peer, self.repeats, self.log, self.rows, self.sizes = peer, repeats, log, [], set()
+        self.rows.append({"name": "xxh3_checksum", "bytes": 64 << 20, "gb_per_s": measure_gb_per_s()})
+        self.pickle = PicklePipe()
+
+    def measure(self, n: int) -> None:
+        if n in self.sizes:
+            return
+        self.sizes.add(n)
+        reps = max(3, self.repeats)
+        payload = np.random.default_rng(n).integers(1, 256, size=n, dtype=np.uint8)
+        rows = [{"name": "memcpy", "bytes": n, "gb_per_s": memcpy(n, reps)},
+                {"name": "raw_tcp", "bytes": n, "gb_per_s": raw_tcp(
+                    memoryview(payload), lambda k: self.peer.call(cmd="raw_tcp", nbytes=k)["port"], reps)}]
+        if n <= PICKLE_MAX_BYTES:
+            rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": self.pickle.measure(payload, 3)})
+        else:
+            rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": None, "note": "skipped above 1 GiB"})
+        rows.append({"name": "nixl", "bytes": n, **nixl(n, reps)})
+        self.rows += rows
+        self.log(f"baselines at {n / 2**20:.2f} MiB: " + ", ".join(
+            f"{b['name']} {b['gb_per_s']:.2f} GB/s" if b["gb_per_s"] else f"{b['name']} n/a" for b in rows))
+
+    def close(self) -> None:
+        self.pickle.close()

@@ -1,0 +1,56 @@
+"""A Ray actor body that receives KV migrations into its own synthetic pool, for the migration
+benchmark and the Ray transport tests: `ray.remote(PoolReceiver).remote(layout_args, num_blocks)`.
+It is the runtime's `RayReceiverEndpoint` (so it answers `kv_hello`, `kv_query` and `kv_receive`
+exactly as a decode worker does) over a pool from `bench.pools`, plus a few calls the benchmark
+and tests need: the canonical digest of an imported sequence, freeing it (scrubbed, so a later
+transfer must rewrite the blocks), warming the object store's mappings, and pool statistics.
+"""
+
+from __future__ import annotations
+
+from bench.pools import kv_digest, make_manager, scrub_blocks
+from kvcache.storage import KVLayout
+from transfer.codec import decode
+from transfer.messages import Ack
+from transfer.metrics import TransferMetrics
+from transfer.ray_transport import RayReceiverEndpoint
+from transfer.transport import TransportConfig
+
+
+class PoolReceiver(RayReceiverEndpoint):
+    """Actor body with its own synthetic pool: `ray.remote(PoolReceiver).remote(...)`."""
+
+    def __init__(self, layout_args: tuple, num_blocks: int, config: TransportConfig | None = None,
+                 prefault: bool = False):
+        manager = make_manager(KVLayout(*layout_args), num_blocks, prefault=prefault)
+        super().__init__(manager, config, metrics=TransferMetrics())
+        self.last_timings: dict = {}
+
+    def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
+        """The endpoint's import; also keeps the timings of the last acknowledged transfer."""
+        reply = super().kv_receive(conn, manifest, *frames)
+        msg = decode(reply, self.config.limits)
+        if isinstance(msg, Ack):
+            self.last_timings = dict(msg.timings)
+        return reply
+
+    def digest(self, seq_id) -> int:
+        return kv_digest(self.manager, seq_id)
+
+    def free(self, seq_id, scrub: bool = True) -> None:
+        if scrub:
+            scrub_blocks(self.manager, [b for b in self.manager.table(seq_id).blocks
+                                        if self.manager.allocator.ref_count(b) == 1])
+        self.manager.free(seq_id)
+
+    def touch(self, *arrays) -> int:
+        """Read one byte per page of each array (warms the object store mappings in this process)."""
+        return int(sum(int(a[::4096].sum()) for a in arrays))
+
+    def stats(self) -> dict:
+        self.manager.check_integrity()
+        a = self.manager.allocator
+        return {"free": a.num_free, "cached": a.num_cached, "used": a.num_used,
+                "tables": len(self.manager.tables),
+                "metrics": self.metrics.snapshot(),
+                "timings": dict(self.last_timings)}
