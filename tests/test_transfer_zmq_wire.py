@@ -1,0 +1,129 @@
+"""A ZeroMQ receiver that survives bad traffic with its pool unchanged: a truncated, extra or
+wrongly checksummed chunk, an extra message part, an unknown protocol version, garbage, a sender
+that vanishes mid-transfer and data before the handshake, each answered by a typed nack (or a
+timeout) and counted, after which a proper sender still gets through. Sent by `RawPeer`, a
+hand-driven DEALER socket."""
+
+import msgpack
+import pytest
+import torch
+import zmq
+from zmq_helpers import Served, pool, snapshot
+
+from bench.pools import fill_random_sequence
+from transfer import errors as E
+from transfer.checksum import checksum
+from transfer.codec import encode
+from transfer.export import ExportConfig, export_sequence
+from transfer.messages import PROTOCOL_VERSION, Hello
+from transfer.transport import TransportConfig
+from transfer.zmq_transport import ZmqSender
+from transfer.zmq_wire import DATA, TOKEN
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(11)
+
+
+class RawPeer:
+    """A hand-driven DEALER for sending malformed traffic."""
+
+    def __init__(self, address):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def hello(self, fingerprint):
+        self.sock.send_multipart([b"H", encode(Hello(fingerprint))])
+        assert self.sock.poll(5000)
+        assert self.sock.recv_multipart()[0] == b"h"
+
+    def reply(self):
+        assert self.sock.poll(5000), "no reply"
+        header, body = self.sock.recv_multipart()
+        return header, msgpack.unpackb(body, raw=False)
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _stream(ex, token, tamper=None):
+    """The messages of a transfer; `tamper(i, header, chunk)` returns the messages for chunk i."""
+    msgs = [[TOKEN.pack(b"M", token), encode(ex.manifest)]]
+    for i, (f, c, view, _) in enumerate(ex.chunks()):
+        msg = [DATA.pack(b"D", token, f, c, checksum(view)), bytes(view)]
+        msgs += tamper(i, *msg) if tamper else [msg]
+    return msgs + [[TOKEN.pack(b"E", token), b""]]
+
+
+def _manifest_version(ex, v):
+    d = msgpack.unpackb(encode(ex.manifest), raw=False)
+    d["v"] = v
+    return msgpack.packb(d, use_bin_type=True)
+
+
+WIRE_BAD = {  # 200 tokens of 128 bytes in 4096-byte chunks: chunks 0..6
+    "truncated chunk": (lambda i, h, c: [[h, c[:-3]] if i == 1 else [h, c]], E.FrameSizeError),
+    "extra chunk": (lambda i, h, c: [[h, c]] + ([[DATA.pack(b"D", 1, 0, 7, 0), c]] if i == 6 else []),
+                    E.FrameCountError),
+    "wrong checksum": (lambda i, h, c: [[h[:-8] + b"\0" * 8, c] if i == 2 else [h, c]], E.ChecksumError),
+    "extra message part": (lambda i, h, c: [[h, c, b"junk"] if i == 0 else [h, c]], E.MalformedMessage),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WIRE_BAD) + ["unknown version", "garbage", "vanishing sender",
+                                                     "no handshake"])
+def test_receiver_survives_bad_traffic_with_pool_unchanged(gen, case):
+    src, dst = pool(), pool()
+    fill_random_sequence(dst, "resident", 30, gen)
+    before = snapshot(dst)
+    served = Served(dst, idle_timeout_s=1.0)
+    raw = RawPeer(served.rx.address)
+    fill_random_sequence(src, "a", 200, gen)
+    ex = export_sequence(src, "a", "r", 1, config=ExportConfig(chunk_bytes=4096, checksum_mode="inline"))
+    assert ex.manifest.num_chunks == 7
+    try:
+        if case != "no handshake":
+            raw.hello(src.storage.layout.fingerprint())
+        if case in WIRE_BAD:
+            tamper, err = WIRE_BAD[case]
+            for msg in _stream(ex, 1, tamper):
+                raw.sock.send_multipart(msg)
+            header, nack = raw.reply()
+            assert header == TOKEN.pack(b"A", 1) and nack["code"] == err.code
+        elif case == "unknown version":
+            err = E.ProtocolVersionError
+            raw.sock.send_multipart([TOKEN.pack(b"M", 1), _manifest_version(ex, PROTOCOL_VERSION + 1)])
+            assert raw.reply()[1]["code"] == "version"
+        elif case == "no handshake":
+            err = E.HandshakeRequired
+            raw.sock.send_multipart(_stream(ex, 1)[0])
+            assert raw.reply()[1]["code"] == "handshake"
+        elif case == "garbage":
+            err = E.MalformedMessage
+            raw.sock.send_multipart([b"\xff\x00garbage", b"\x00" * 100])
+            assert raw.reply()[1]["code"] == "malformed"
+        else:  # the sender sends the manifest and two chunks, then is gone
+            err = E.TransferTimeout
+            for msg in _stream(ex, 1)[:3]:
+                raw.sock.send_multipart(msg)
+            raw.close()
+        got = served.next()
+        assert isinstance(got, err), got
+        assert served.metrics.errors[err.code] == 1
+        # the receiver is still healthy: a proper sender gets through afterwards
+        tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address))
+        assert tx.migrate(src, "a", "ok", 1).new_blocks == 13
+        assert served.next().request_id == "ok"
+        tx.close()
+    finally:
+        if case != "vanishing sender":
+            raw.close()
+        served.stop()
+    dst.free("ok")
+    dst.allocator.evict_cached()  # the good import's blocks stayed cached for prefix reuse
+    assert snapshot(dst) == before
+    dst.check_integrity()
