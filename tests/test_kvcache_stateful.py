@@ -3,112 +3,50 @@
 Random allocate / append / fork / compute (write K/V, then mark_computed) / free / evict / match /
 swap / adopt sequences run on tiny pools. A token's K/V is a deterministic function of the extra
 key and the token-id prefix up to and including it, so a prefix-cache hit must read back exactly
-what a fresh computation would write. After every step the invariant runs check_integrity() and
-reads every computed token of every live sequence back through its table (device pool, or host
-pool while swapped) and compares it with the shadow kept per sequence. A block freed or reused
-while a table still names it, a missing copy-on-write, or a wrong prefix hit shows up there as
-different K/V, the way it would show up as wrong attention scores in the engine.
+what a fresh computation would write. After every step the invariant (kvcache_shadow.py) runs
+check_integrity() and reads every computed token of every live sequence back through its table
+(device pool, or host pool while swapped) and compares it with the shadow kept per sequence. A
+block freed or reused while a table still names it, a missing copy-on-write, or a wrong prefix
+hit shows up there as different K/V, the way it would show up as wrong attention scores.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import pytest
 import torch
-import xxhash
-from hypothesis import HealthCheck, event, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis import HealthCheck, event, settings, strategies
+from hypothesis.stateful import initialize, precondition, rule
+from kvcache_shadow import D, H, L, Shadow, ShadowMachine
 
 from kvcache import BlockAllocator, KVCacheManager, KVLayout, KVStorage, blocks_for
 
-L, H, D = 2, 1, 2  # one token's K/V: (L, 2, H, D) = 8 float32 values
-TOKENS = st.integers(0, 2)  # a small alphabet, so prefixes repeat
-PICK = st.integers(0, 10**6)
-EXTRA_KEYS = st.sampled_from([None, None, None, "lora-x"])
+TOKENS = strategies.integers(0, 2)  # a small alphabet, so prefixes repeat
+PICK = strategies.integers(0, 10**6)
+EXTRA_KEYS = strategies.sampled_from([None, None, None, "lora-x"])
 # After giving tokens slots: compute them all, none (later compute_some), or all but the last
 # (a chunked prefill), which leaves full blocks with uncomputed tokens that must not be shared.
-COMPUTE = st.sampled_from(["all", "all", "none", "part"])
-
-
-@dataclass
-class Shadow:
-    """What the test believes about one live sequence."""
-
-    tokens: list[int]
-    extra: str | None
-    computed: int = 0
-    swapped: bool = False
-    kv: list[torch.Tensor] = field(default_factory=list)  # kv[t]: (L, 2, H, D) for t < computed
+COMPUTE = strategies.sampled_from(["all", "all", "none", "part"])
 
 
 # At least 300 runs of up to 35 steps each; the settings carry over to KVCacheMachine.TestCase.
 @settings(max_examples=300, stateful_step_count=35, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-class KVCacheMachine(RuleBasedStateMachine):
-    def __init__(self):
-        super().__init__()
-        self.m: KVCacheManager | None = None
-        self.seqs: dict[int, Shadow] = {}
-        self.seen: list[list[int]] = []  # earlier prompts, reused as prefixes of new ones
-        self.next_id = 0
-        self._kv_cache: dict[tuple, torch.Tensor] = {}
-
-    # ---- model helpers ------------------------------------------------------------------
-    def kv(self, extra: str | None, prefix: list[int]) -> torch.Tensor:
-        """K/V of the last token of `prefix`: (L, 2, H, D), a function of (extra, prefix) only."""
-        key = (extra, tuple(prefix))
-        out = self._kv_cache.get(key)
-        if out is None:
-            h = xxhash.xxh3_128_digest(repr(key).encode())  # 16 bytes -> 8 uint16 values
-            vals = np.frombuffer(h, dtype=np.uint16).astype(np.float32)
-            out = self._kv_cache[key] = torch.from_numpy(vals.copy()).reshape(L, 2, H, D)
-        return out
-
-    def new_id(self) -> int:
-        self.next_id += 1
-        return self.next_id
-
-    def pick(self, i: int, want=None) -> int | None:
-        ids = [s for s in sorted(self.seqs) if want is None or want(self.seqs[s])]
-        return ids[i % len(ids)] if ids else None
-
-    def compute(self, sid: int, upto: int) -> None:
-        """The engine's step: write K/V of tokens computed..upto-1 into their slots, then mark."""
-        s, m = self.seqs[sid], self.m
-        end = min(upto, len(s.tokens))
-        if end <= s.computed:
-            return
-        for t, slot in zip(range(s.computed, end), m.slot_mapping(sid, s.computed, end)):
-            kv = self.kv(s.extra, s.tokens[:t + 1])
-            m.storage.write_slot(slot, kv[:, 0], kv[:, 1])
-            s.kv.append(kv)
-        m.mark_computed(sid, end)
-        s.computed = end
-
-    def compute_after_slots(self, sid: int, how: str) -> None:
-        n = len(self.seqs[sid].tokens)
-        if how != "none":
-            self.compute(sid, n if how == "all" else n - 1)
-
-    def resident_sharers(self, block: int) -> int:
-        return sum(block in t.blocks for t in self.m.tables.values() if not t.swapped)
-
+class KVCacheMachine(ShadowMachine):
     # ---- rules --------------------------------------------------------------------------
-    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 24),
-                host_blocks=st.integers(1, 12), caching=st.sampled_from([True, True, True, False]))
+    @initialize(block_size=strategies.sampled_from([1, 2, 4]), num_blocks=strategies.integers(6, 24),
+                host_blocks=strategies.integers(1, 12),
+                caching=strategies.sampled_from([True, True, True, False]))
     def setup(self, block_size, num_blocks, host_blocks, caching):
-        lay = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_size=block_size)
-        self.B = block_size
-        self.m = KVCacheManager(BlockAllocator(num_blocks), block_size, KVStorage(lay, num_blocks),
-                                enable_prefix_caching=caching, host_storage=KVStorage(lay, host_blocks))
+        layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_size=block_size)
+        self.block_size = block_size
+        self.manager = KVCacheManager(BlockAllocator(num_blocks), block_size, KVStorage(layout, num_blocks),
+                                      enable_prefix_caching=caching,
+                                      host_storage=KVStorage(layout, host_blocks))
 
-    @rule(stem=PICK, use_stem=st.sampled_from([True, True, False]), cut=st.integers(0, 12),
-          tail=st.lists(TOKENS, max_size=8), extra=EXTRA_KEYS, compute=COMPUTE)
+    @rule(stem=PICK, use_stem=strategies.sampled_from([True, True, False]), cut=strategies.integers(0, 12),
+          tail=strategies.lists(TOKENS, max_size=8), extra=EXTRA_KEYS, compute=COMPUTE)
     def allocate(self, stem, use_stem, cut, tail, extra, compute):
-        m, B = self.m, self.B
+        m, B = self.manager, self.block_size
         prompt = (self.seen[stem % len(self.seen)][:cut] if use_stem and self.seen else []) + tail
         prompt = prompt or [0]
         sid = self.new_id()
@@ -128,12 +66,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.compute_after_slots(sid, compute)
 
     @precondition(lambda self: self.seqs)
-    @rule(i=PICK, toks=st.lists(TOKENS, min_size=1, max_size=5), compute=COMPUTE)
+    @rule(i=PICK, toks=strategies.lists(TOKENS, min_size=1, max_size=5), compute=COMPUTE)
     def append(self, i, toks, compute):
         self.append_to(self.pick(i), toks, compute)
 
     def append_to(self, sid, toks, compute):
-        m, B = self.m, self.B
+        m, B = self.manager, self.block_size
         s, t = self.seqs[sid], m.table(sid)
         if s.swapped:
             with pytest.raises(ValueError, match="swapped out"):
@@ -157,19 +95,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.compute_after_slots(sid, compute)
 
     @precondition(lambda self: any(not s.swapped and s.computed < len(s.tokens) for s in self.seqs.values()))
-    @rule(i=PICK, k=st.integers(1, 4))
+    @rule(i=PICK, k=strategies.integers(1, 4))
     def compute_some(self, i, k):
         sid = self.pick(i, lambda s: not s.swapped and s.computed < len(s.tokens))
         self.compute(sid, self.seqs[sid].computed + k)
 
     @precondition(lambda self: self.seqs)
-    @rule(i=PICK, then=st.sampled_from([None, "parent", "child", "both"]),
-          toks=st.lists(TOKENS, min_size=1, max_size=3), compute=COMPUTE)
+    @rule(i=PICK, then=strategies.sampled_from([None, "parent", "child", "both"]),
+          toks=strategies.lists(TOKENS, min_size=1, max_size=3), compute=COMPUTE)
     def fork(self, i, then, toks, compute):
         """Fork, then often append at once (the copy-on-write path). 'both' appends to the child,
         then a different continuation to the parent, as beam search does: with a shared partial
         tail, a missing copy-on-write lets the second write clobber the first."""
-        m = self.m
+        m = self.manager
         sid = self.pick(i)
         s = self.seqs[sid]
         child = self.new_id()
@@ -189,7 +127,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(i=PICK)
     def free(self, i):
-        m = self.m
+        m = self.manager
         sid = self.pick(i)
         s, t = self.seqs.pop(sid), m.table(sid)
         if s.swapped:
@@ -203,9 +141,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert m.allocator.num_available == avail + released
         self.seen.append(s.tokens)
 
-    @rule(n=st.one_of(st.none(), st.integers(0, 3)))
+    @rule(n=strategies.one_of(strategies.none(), strategies.integers(0, 3)))
     def evict(self, n):
-        a = self.m.allocator
+        a = self.manager.allocator
         cached, avail = a.num_cached, a.num_available
         got = a.evict_cached(n)
         assert got == (cached if n is None else min(n, cached))
@@ -214,7 +152,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(i=PICK)
     def swap_out(self, i):
-        m = self.m
+        m = self.manager
         sid = self.pick(i)
         s, t = self.seqs[sid], m.table(sid)
         if s.swapped:
@@ -229,17 +167,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s.swapped for s in self.seqs.values()))
     @rule(i=PICK)
     def swap_in(self, i):
-        m = self.m
+        m = self.manager
         sid = self.pick(i, lambda s: s.swapped)
         fits = len(m.table(sid).blocks) <= m.allocator.num_available
         assert m.swap_in(sid) == fits
         self.seqs[sid].swapped = not fits
         event("swap in" if fits else "swap in refused")
 
-    @rule(stem=PICK, tail=st.lists(TOKENS, max_size=4), extra=EXTRA_KEYS)
+    @rule(stem=PICK, tail=strategies.lists(TOKENS, max_size=4), extra=EXTRA_KEYS)
     def match(self, stem, tail, extra):
         """Blocks match_prefix offers must hold exactly the K/V of the prompt's prefix."""
-        m, B = self.m, self.B
+        m, B = self.manager, self.block_size
         prompt = (self.seen[stem % len(self.seen)] if self.seen else []) + tail
         if not prompt:
             return
@@ -253,10 +191,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         want = torch.stack([self.kv(extra, prompt[:t + 1]) for t in range(len(blocks) * B)])
         assert torch.equal(got, want), "a block offered by match_prefix does not hold that prefix's K/V"
 
-    @rule(toks=st.lists(TOKENS, min_size=1, max_size=8), extra=EXTRA_KEYS)
+    @rule(toks=strategies.lists(TOKENS, min_size=1, max_size=8), extra=EXTRA_KEYS)
     def adopt(self, toks, extra):
         """KV import: take raw blocks, fill them, hand them to a new table."""
-        m, B = self.m, self.B
+        m, B = self.manager, self.block_size
         blocks = m.allocator.allocate_many(blocks_for(len(toks), B))
         if blocks is None:
             return
@@ -269,10 +207,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         m.adopt(sid, blocks, toks, extra)
         self.seqs[sid] = s
 
-    @rule(i=PICK, which=st.sampled_from(["double_free", "unknown_seq", "existing_id", "bad_block"]))
+    @rule(i=PICK, which=strategies.sampled_from(["double_free", "unknown_seq", "existing_id", "bad_block"]))
     def misuse(self, i, which):
         """Misuse raises ValueError and changes nothing (the invariant checks the state)."""
-        m = self.m
+        m = self.manager
         a = m.allocator
         if which == "double_free" and a.num_free:
             with pytest.raises(ValueError, match="double free"):
@@ -287,34 +225,5 @@ class KVCacheMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError, match="unknown block id"):
                 a.incref(a.num_blocks + i % 3)
 
-    # ---- invariant ----------------------------------------------------------------------
-    @invariant()
-    def tables_and_kv_match_the_shadow(self):
-        m, B = self.m, self.B
-        m.check_integrity()
-        assert set(m.tables) == set(self.seqs)
-        reads = {False: ([], [], []), True: ([], [], [])}  # swapped -> (slots, expected, owner)
-        for sid, s in self.seqs.items():
-            t = m.tables[sid]
-            assert (t.token_ids, t.num_computed, t.swapped) == (s.tokens, s.computed, s.swapped)
-            assert len(s.kv) == s.computed
-            slots, want, owner = reads[s.swapped]
-            slots += [t.slot(i, B) for i in range(s.computed)]
-            want += s.kv
-            owner += [(sid, i) for i in range(s.computed)]
-        for swapped, pool in ((False, m.storage), (True, m.host_storage)):
-            slots, want, owner = reads[swapped]
-            if not slots:
-                continue
-            got = pool.read_slots(slots)  # (T, L, 2, H, D)
-            exp = torch.stack(want)
-            if not torch.equal(got, exp):
-                bad = next(k for k in range(len(slots)) if not torch.equal(got[k], exp[k]))
-                sid, tok = owner[bad]
-                raise AssertionError(f"sequence {sid} token {tok} (slot {slots[bad]}, swapped={swapped}) "
-                                     f"reads K/V {got[bad].flatten().tolist()}, "
-                                     f"expected {exp[bad].flatten().tolist()}")
-        resident = {b for t in m.tables.values() if not t.swapped for b in t.blocks}
-        assert m.allocator.num_used == len(resident)
 
 TestKVCacheStateful = KVCacheMachine.TestCase
