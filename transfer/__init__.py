@@ -1,12 +1,13 @@
 """KV migration: moving one sequence's paged KV cache from a prefill worker's pool into a decode
-worker's pool, fast and provably intact. A versioned msgpack manifest (`messages`, `codec`,
-bounded by `schema.Limits`) describes the sequence — layout fingerprint, blocks and their prefix
-hashes, payload frames with xxh3 checksums (`checksum`), and the state decode needs to continue —
-and raw payload frames follow, read straight from pool memory (`export`) and written straight
-into blocks the receiver reserved all-or-nothing (`importer`), re-blocked when block sizes
-differ (`reblock`), staged through pinned host buffers for device pools (`staging`), with
-duplicate prefix blocks shared rather than sent (`blocks`), stale epochs refused (`epochs`) and
-sender blocks leased until the ack (`lease`). Two transports follow one contract
+worker's pool, fast and provably intact. A versioned msgpack manifest (`manifest`, sent with the
+connection messages of `messages` through `codec`, bounded by `schema.Limits`) describes the
+sequence — layout fingerprint, blocks and their prefix hashes, payload frames with xxh3 checksums
+(`checksum`), and the state decode needs to continue — and raw payload frames follow, read straight
+from pool memory (`export`) and written straight into blocks the receiver reserved all-or-nothing
+once the manifest passed its checks (`importer`, `import_checks`, `import_landing`), re-blocked
+when block sizes differ (`reblock`), staged through pinned host buffers for device pools
+(`staging`), with duplicate prefix blocks shared rather than sent (`blocks`), stale epochs refused
+(`epochs`) and sender blocks leased until the ack (`lease`). Two transports follow one contract
 (`transport`): ZeroMQ over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_wire`) and Ray
 (`ray_transport`). Every failure is a typed `errors.TransferError`, counted in `metrics`, and
 leaves the receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its
