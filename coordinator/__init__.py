@@ -1,5 +1,6 @@
-"""The coordinator: the OpenAI-compatible HTTP API (`http`, `protocol`, `detokenize`), the backend
-contract it serves from (`backend`, with an in-process engine implementation), Prometheus
-metrics (`metrics`), the ownership ledger that records which worker owns each request's blocks at
-which epoch (`ledger`), and the routing policies (`router`). It never touches tensors.
+"""The coordinator: the OpenAI-compatible HTTP API (`http`, `completion`, `protocol`,
+`detokenize`), the backend contract it serves from (`backend`, with the in-process engine), the
+Ray cluster backend (`cluster`, `config`, `workers`, `reports`, `failover`), the ownership ledger
+and its reconciliation against worker reports (`ledger`, `reconcile`), routing (`router`) and
+Prometheus metrics (`metrics`). It never touches tensors and loads without torch.
 """

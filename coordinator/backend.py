@@ -21,26 +21,24 @@ with the same methods and attributes):
     def health() -> (bool, str)   liveness and a one-line reason
     def metrics_text() -> str     extra Prometheus text (e.g. metrics.worker_metrics_text)
 
-`LocalEngineBackend` owns one colocated LLMEngine and runs its step loop in a dedicated
-thread. Every engine call happens on that thread: requests and aborts reach it through a
-command queue, and each step's outputs go back to the waiting coroutines' asyncio queues with
-`loop.call_soon_threadsafe`, one call per request per step. Every wait is bounded.
+`LocalEngineBackend` runs one colocated engine in process on the worker runtime (the same loop
+and `ColocatedHandler` as a colocated Ray worker, decode_worker.colocated): requests and aborts
+are typed commands on its queue, and each report's `Tokens` events go back to the waiting
+coroutines' asyncio queues with `loop.call_soon_threadsafe`. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import queue
-import threading
-import time
 from dataclasses import dataclass
 
 from coordinator.metrics import worker_metrics_text
-from coordinator.protocol import APIError, InternalError, InvalidRequest, ServiceUnavailable, Timeout
+from coordinator.protocol import APIError, InvalidRequest, ServiceUnavailable, Timeout
+from protocol.messages import Abort, Reply, RequestFailed, Submit
 
 log = logging.getLogger(__name__)
+WORKER = "local-0"  # the in-process engine's worker name (metrics labels, /v1/cluster)
 
 
 @dataclass(frozen=True)
@@ -63,17 +61,10 @@ class FinalEvent:
 
 @dataclass(frozen=True)
 class LocalBackendConfig:
-    """name: the model name served (None: the engine's model spec, e.g. 'tiny').
-    accept_timeout_s: bound on the engine thread taking a new request.
-    event_timeout_s: bound on the wait for a request's next step output.
-    idle_poll_s: how long the idle engine thread sleeps on its command queue at a time.
-    close_timeout_s: bound on joining the engine thread at close()."""
-
-    name: str | None = None
-    accept_timeout_s: float = 30.0
-    event_timeout_s: float = 120.0
-    idle_poll_s: float = 0.05
-    close_timeout_s: float = 10.0
+    name: str | None = None        # the model name served (None: the engine's model spec, e.g. 'tiny')
+    event_timeout_s: float = 120.0  # bound on the wait for a request's next step output
+    idle_poll_s: float = 0.05      # how long the idle engine thread waits for commands at a time
+    close_timeout_s: float = 10.0  # bound on joining the engine thread at close()
 
 
 class _Sink:
@@ -81,8 +72,7 @@ class _Sink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, prompt_tokens: int):
         self.loop, self.q = loop, asyncio.Queue()
-        self.remaining, self.prompt_tokens = n, prompt_tokens
-        self.req = None  # the engine's Request (for its preemption count)
+        self.remaining, self.prompt_tokens, self.preemptions = n, prompt_tokens, 0
 
     def put(self, item) -> bool:
         try:
@@ -96,7 +86,9 @@ class LocalEngineBackend:
     """One in-process colocated engine behind the backend contract (see module docstring)."""
 
     def __init__(self, engine_config=None, *, engine=None, config: LocalBackendConfig = LocalBackendConfig()):
+        from decode_worker.colocated import ColocatedHandler
         from engine.engine import EngineConfig, LLMEngine
+        from runtime.actor import WorkerConfig
 
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(engine_config or EngineConfig())
@@ -105,22 +97,25 @@ class LocalEngineBackend:
         self.max_context = self.engine.model_config.max_position_embeddings
         self.vocab_size = self.engine.model_config.vocab_size
         self.aborted = 0
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self.handler = ColocatedHandler(WorkerConfig(WORKER, ""), self.engine)
         self._sinks: dict[str, _Sink] = {}
-        self._stop = threading.Event()
-        self._failed: str | None = None
-        self._stats = self._snapshot()
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._stats: dict = {"name": WORKER, "role": "colocated", **self.engine.kv.usage(),
+                             "active_requests": 0}
+        self._loop = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> LocalEngineBackend:
-        self._thread.start()
+        from runtime.loop import LoopConfig, WorkerLoop
+
+        c = self.config
+        config = LoopConfig(WORKER, idle_poll_s=c.idle_poll_s, call_timeout_s=c.close_timeout_s)
+        self._loop = WorkerLoop(config, self.handler, self._emit)
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(self.config.close_timeout_s)
+        if self._loop is not None:
+            self._loop.shutdown()
+        self._fail_all(ServiceUnavailable("server shutting down"))
 
     def __enter__(self) -> LocalEngineBackend:
         return self.start()
@@ -133,14 +128,13 @@ class LocalEngineBackend:
         return [self.name]
 
     def health(self) -> tuple[bool, str]:
-        if self._failed:
-            return False, f"engine failed: {self._failed}"
-        if not self._thread.is_alive():
-            return False, "engine thread is not running"
+        if self._loop is None or not self._loop.alive():
+            failed = self._loop.failed if self._loop is not None else None
+            return False, f"engine failed: {failed}" if failed else "engine thread is not running"
         return True, "ok"
 
     def info(self) -> dict:
-        s = self._stats
+        s = {**self._stats, "address": "in-process"}
         return {"mode": "local", "model": self.name, "workers": [s],
                 "ledger": {"active_requests": s["active_requests"], "owned_blocks": s["used_blocks"]},
                 "aborted_requests": self.aborted}
@@ -149,28 +143,24 @@ class LocalEngineBackend:
         return worker_metrics_text([self._stats])
 
     async def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+        if self._sinks.pop(request_id, None) is not None:
+            self.aborted += 1
+        if self._loop is not None:
+            self._loop.send(Abort(request_id))
 
     async def submit(self, creq):
-        from engine.engine import RequestError
         ok, why = self.health()
         if not ok:
             raise ServiceUnavailable(why)
-        params = creq.sampling_params()
-        rid = creq.request_id
-        sink = _Sink(asyncio.get_running_loop(), creq.n, len(creq.prompt_ids))
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("add", rid, list(creq.prompt_ids), params, sink, accepted))
+        cmd = Submit(creq.request_id, list(creq.prompt_ids), creq.sampling_params())
+        verdict = self.handler.accept(cmd)  # validates the prompt against the engine (read-only)
+        if isinstance(verdict, Reply):
+            raise InvalidRequest(verdict.error, param="prompt")
+        rid = cmd.request_id
+        sink = self._sinks[rid] = _Sink(asyncio.get_running_loop(), creq.n, len(creq.prompt_ids))
+        self._loop.send(cmd)
         done = False
         try:
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(accepted), self.config.accept_timeout_s)
-            except RequestError as e:
-                done = True  # never entered the engine
-                raise InvalidRequest(str(e), param="prompt") from None
-            except asyncio.TimeoutError:
-                raise Timeout(f"the engine did not take the request within {self.config.accept_timeout_s}s") \
-                    from None
             while True:
                 try:
                     batch = await asyncio.wait_for(sink.q.get(), self.config.event_timeout_s)
@@ -179,92 +169,45 @@ class LocalEngineBackend:
                 if isinstance(batch, APIError):
                     done = True
                     raise batch
-                for ev in batch:
-                    if isinstance(ev, FinalEvent):
-                        done = True
-                    yield ev
+                for event in batch:
+                    done = done or isinstance(event, FinalEvent)
+                    yield event
                 if done:
                     return
         finally:
             if not done:
-                self._cmds.put(("abort", rid))
+                await self.abort(rid)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain(block=not self.engine.has_work())
-                if self.engine.has_work():
-                    self._deliver(self.engine.step())
-                self._stats = self._snapshot()
-        except Exception as e:  # a broken engine: fail loudly, fail every waiter, free what we can
-            log.exception("engine step loop failed")
-            self._failed = f"{type(e).__name__}: {e}"
-            self._fail_all(InternalError(f"engine failed: {self._failed}"))
-            return
-        self._fail_all(ServiceUnavailable("server shutting down"))
-
-    def _drain(self, block: bool) -> None:
-        while True:
-            try:
-                cmd = self._cmds.get(timeout=self.config.idle_poll_s) if block else self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            else:
-                self._abort(cmd[1])
-
-    def _add(self, rid, prompt_ids, params, sink: _Sink, accepted: concurrent.futures.Future) -> None:
-        try:
-            self.engine.add_request(prompt_ids, params, request_id=rid)
-        except Exception as e:  # RequestError (bad prompt, pool too small) or a duplicate id
-            accepted.set_exception(e)
-            return
-        sink.req = self.engine.requests.get(rid)
-        self._sinks[rid] = sink
-        accepted.set_result(rid)
-
-    def _abort(self, rid: str) -> None:
-        self._sinks.pop(rid, None)
-        if self.engine.abort(rid):
-            self.aborted += 1
-
-    def _deliver(self, outputs) -> None:
-        by_req: dict[str, list] = {}
-        for o in outputs:
-            by_req.setdefault(o.request_id, []).append(o)
-        for rid, outs in by_req.items():
-            sink = self._sinks.get(rid)
+    def _emit(self, events: list, stats: dict, holdings: dict) -> None:
+        """The loop's report: route each request's events to its sink (one put per request)."""
+        self._stats = stats
+        batches: dict[str, list] = {}
+        for event in events:
+            sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue
-            batch: list = []
-            for o in outs:
-                reason = (o.finish_reason or "stop") if o.finished else None
-                batch.append(TokenEvent(o.index, tuple(o.new_token_ids), reason))
-                sink.remaining -= int(o.finished)
-            if sink.remaining <= 0:
+            if isinstance(event, RequestFailed):
+                self._sinks.pop(event.request_id, None)
+                sink.put(InvalidRequest(event.message, param="prompt"))
+                continue
+            batch = batches.setdefault(event.request_id, [])
+            batch.append(TokenEvent(event.index, tuple(event.token_ids), event.finish_reason))
+            if event.finish_reason is not None:
+                sink.remaining -= 1
+                sink.preemptions = max(sink.preemptions, event.preemptions)
+        for rid, batch in batches.items():
+            sink = self._sinks.get(rid)
+            if sink is not None and sink.remaining <= 0:
                 del self._sinks[rid]
-                pre = sink.req.num_preemptions if sink.req is not None else 0
-                batch.append(FinalEvent(sink.prompt_tokens, {"worker": "local-0", "preemptions": pre}))
-            if not sink.put(batch):
-                self._abort(rid)
+                info = {"worker": WORKER, "preemptions": sink.preemptions}
+                batch.append(FinalEvent(sink.prompt_tokens, info))
+            if sink is not None and not sink.put(batch):
+                self._sinks.pop(rid, None)
+                self._loop.send(Abort(rid))
 
     def _fail_all(self, err: APIError) -> None:
-        for rid, sink in list(self._sinks.items()):
-            sink.put(err)
-            try:
-                self.engine.abort(rid)
-            except Exception:  # the engine is already broken; the error above says so
-                log.exception("abort of %s failed", rid)
-        self._sinks.clear()
-
-    def _snapshot(self) -> dict:
-        e = self.engine
-        sched = e.scheduler
-        return {"name": "local-0", "role": "colocated", "address": "in-process",
-                "block_size": e.config.block_size, **e.kv.usage(),
-                "queue_depth": len(sched.waiting), "running": len(sched.running),
-                "swapped": len(sched.swapped), "preemptions": sched.preemptions,
-                "active_requests": len(e.requests), "steps": e.steps, "updated": time.time()}
+        for rid in list(self._sinks):
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink.put(err)

@@ -26,139 +26,146 @@ import logging
 from coordinator.ledger import Phase
 from coordinator.protocol import APIError, ServiceUnavailable
 from coordinator.router import NoWorkerError
-from coordinator.workers import call as _call
+from coordinator.workers import command, tell
+from protocol.messages import Abort, Resend
 
 log = logging.getLogger(__name__)
 
 
 class FailoverMixin:
-    """Needs from the host class: config, workers, routers, ledger, metrics, _reqs, _lost, _loads,
-    _dispatch, _reserve, _drop, _spawn (see coordinator.cluster.ClusterBackend)."""
+    """Needs from the host class: config, workers, routers, ledger, reconciler, metrics, _requests,
+    _lost, _loads, _dispatch, _reserve, _drop, _spawn (see coordinator.cluster.ClusterBackend)."""
 
-    async def _retry_prefill(self, st, lost: str) -> None:
+    async def _retry_prefill(self, request, lost: str) -> None:
         """The prefill worker died before migrating: rerun the prompt on another one (new epoch).
         Tokens it already sent are not repeated: events are placed by output position."""
         try:
-            st.prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill", st.prompt,
+            request.prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill", request.prompt,
                                                       exclude={lost})
             self.metrics.count_retry("prefill")
-            log.warning("request %s: prefill worker %s lost, rerunning on %s", st.rid, lost, st.prefill)
-            await self._dispatch(st)
+            log.warning("request %s: prefill worker %s lost, rerunning on %s", request.rid, lost,
+                        request.prefill)
+            await self._dispatch(request)
         except (NoWorkerError, APIError) as e:
-            if st.rid in self._reqs:
-                self._drop(st, ok=False)
-                st.q.put_nowait(e if isinstance(e, APIError) else ServiceUnavailable(
+            if request.rid in self._requests:
+                self._drop(request, ok=False)
+                request.q.put_nowait(e if isinstance(e, APIError) else ServiceUnavailable(
                     f"prefill worker {lost} stopped responding and no other is live"))
 
-    async def _resend(self, st, bad: str, why: str) -> None:
+    async def _resend(self, request, bad: str, why: str) -> None:
         """The migration to decode worker `bad` failed and the prefill worker holds the blocks: reserve
         on another decode worker under a new epoch and have the prefill worker send them there."""
-        if st.rid not in self._reqs:  # dropped meanwhile: the abort released the held blocks
+        if request.rid not in self._requests:  # dropped meanwhile: the abort released the held blocks
             return
-        st.resending = True
+        request.resending = True
         try:
-            st.avoid.add(bad)
+            request.avoid.add(bad)
             # the prefill worker keeps owning the blocks: a new ownership epoch, the migration's after it
-            epoch = st.epoch = self.ledger.move(st.rid, Phase.PREFILLING, st.prefill) + 1
+            epoch = request.epoch = self.ledger.move(request.rid, Phase.PREFILLING, request.prefill) + 1
             try:
-                await self._reserve(st, epoch)  # switches st.decode (and frees the credit on `bad`)
+                await self._reserve(request, epoch)  # switches request.decode (and frees the credit on `bad`)
             except APIError as e:
-                if st.rid in self._reqs:
-                    self._drop(st, ok=False)  # aborts on the prefill worker: the held blocks go back
-                    st.q.put_nowait(ServiceUnavailable(f"{why}; no other decode worker could take the "
-                                                       f"held KV: {e.message}"))
+                if request.rid in self._requests:
+                    self._drop(request, ok=False)  # aborts on the prefill worker: the held blocks go back
+                    request.q.put_nowait(ServiceUnavailable(f"{why}; no other decode worker could take "
+                                                            f"the held KV: {e.message}"))
                 return
-            d = self.workers[st.decode]
+            d = self.workers[request.decode]
             try:
-                err = await _call(self.workers[st.prefill].handle.resend.remote(st.rid, d.name, d.address,
-                                                                                epoch),
-                                  self.config.call_timeout_s)
+                resend = Resend(request.rid, d.name, d.address, epoch)
+                reply = await command(self.workers[request.prefill], resend,
+                                      self.config.call_timeout_s)
+                err = reply.error
             except Exception as e:  # the prefill worker died or stalled: the monitor reruns the prefill
                 err = f"resend call failed: {type(e).__name__}"
-            if st.rid not in self._reqs:
+            if request.rid not in self._requests:
                 return
-            st.resumed += 1
+            request.resumed += 1
             if err:  # no longer held there (released, expired): prefill again instead
-                log.warning("request %s: %s; re-prefilling", st.rid, err)
-                st.resending = False
-                self._resume(st, bad, f"{why}; {err}")
+                log.warning("request %s: %s; re-prefilling", request.rid, err)
+                request.resending = False
+                self._resume(request, bad, f"{why}; {err}")
                 return
-            st.resent += 1
+            request.resent += 1
             self.metrics.count_retry("resend")
-            log.warning("request %s: %s; re-sending the held KV from %s to %s", st.rid, why, st.prefill,
-                        st.decode)
+            log.warning("request %s: %s; re-sending the held KV from %s to %s", request.rid, why,
+                        request.prefill,
+                        request.decode)
         finally:
-            st.resending = False
+            request.resending = False
 
-    def _resume(self, st, bad: str, why: str) -> None:
+    def _resume(self, request, bad: str, why: str) -> None:
         """The decode worker `bad` died or a migration to it failed: prefill again (n=1: prompt +
         the tokens streamed so far, sampling continuing at their count; n>1: from the start) and
         continue on another decode worker. Positions already sent are never sent twice (the
         reorder drops them). Workers are picked now, so a second trigger sees the new owner."""
         try:
-            st.decode = self.routers["decode"].pick(self._loads("decode"), "decode",
+            request.decode = self.routers["decode"].pick(self._loads("decode"), "decode",
                                                     exclude=self._lost | {bad})
-            st.generated = list(st.tokens[0]) if st.n == 1 else []
-            st.prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill",
-                                                      st.prompt + st.generated, exclude=self._lost)
+            request.generated = list(request.tokens[0]) if request.n == 1 else []
+            request.prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill",
+                                                      request.prompt + request.generated, exclude=self._lost)
         except NoWorkerError:
-            self._drop(st, ok=False)
-            st.q.put_nowait(ServiceUnavailable(f"{why}; no other live decode/prefill worker to continue on"))
+            self._drop(request, ok=False)
+            request.q.put_nowait(ServiceUnavailable(f"{why}; no other live decode/prefill worker to "
+                                                    "continue on"))
             return
-        st.avoid.add(bad)
+        request.avoid.add(bad)
         old = self.workers.get(bad)
         if old is not None:  # release whatever it still holds for the request (credit, sequences)
-            old.handle.abort.remote(st.rid)
-        st.resumed += 1
-        st.migration, st.decoded = None, False
+            tell(old, Abort(request.rid))
+        request.resumed += 1
+        request.migration, request.decoded = None, False
         self.metrics.count_retry("decode")
-        log.warning("request %s: %s; resuming after %d tokens via %s -> %s", st.rid, why,
-                    len(st.generated), st.prefill, st.decode)
-        self._spawn(self._redispatch(st))
+        log.warning("request %s: %s; resuming after %d tokens via %s -> %s", request.rid, why,
+                    len(request.generated), request.prefill, request.decode)
+        self._spawn(self._redispatch(request))
 
-    async def _redispatch(self, st) -> None:
+    async def _redispatch(self, request) -> None:
         try:
-            await self._dispatch(st)
+            await self._dispatch(request)
         except APIError as e:
-            if st.rid in self._reqs:
-                self._drop(st, ok=False)
-                st.q.put_nowait(e)
+            if request.rid in self._requests:
+                self._drop(request, ok=False)
+                request.q.put_nowait(e)
 
     async def _monitor(self) -> None:
         """Act, at once, on the requests of a worker whose heartbeat stopped (see the module doc)."""
         while True:
             await asyncio.sleep(self.config.monitor_s)
-            for w in self.workers.values():
-                if w.alive(self.config.heartbeat_timeout_s):
-                    self._lost.discard(w.name)
+            for worker in self.workers.values():
+                if worker.alive(self.config.heartbeat_timeout_s):
+                    self._lost.discard(worker.name)
                     continue
-                if w.name in self._lost:
+                if worker.name in self._lost:
                     continue
-                self._lost.add(w.name)
-                log.warning("worker %s is gone (no heartbeat for %.1fs)", w.name,
+                self._lost.add(worker.name)
+                self.ledger.forget_worker(worker.name)  # a dead worker holds nothing
+                self.reconciler.forget_worker(worker.name)
+                log.warning("worker %s is gone (no heartbeat for %.1fs)", worker.name,
                             self.config.heartbeat_timeout_s)
-                self.routers[w.role].forget(w.name)
-                for st in list(self._reqs.values()):
-                    self._on_lost(w, st)
+                self.routers[worker.role].forget(worker.name)
+                for request in list(self._requests.values()):
+                    self._on_lost(worker, request)
 
-    def _on_lost(self, w, st) -> None:
-        if w.role == "colocated":
-            if st.decode == w.name:
+    def _on_lost(self, worker, request) -> None:
+        if worker.role == "colocated":
+            if request.decode == worker.name:
                 self.metrics.count_error("worker_lost")
-                self._drop(st, ok=False)
-                st.q.put_nowait(ServiceUnavailable(f"colocated worker {w.name} stopped responding; "
+                self._drop(request, ok=False)
+                request.q.put_nowait(ServiceUnavailable(f"colocated worker {worker.name} stopped responding; "
                                                    f"the request was lost"))
             return
-        unmigrated = st.migration is None and not st.decoded
-        on_prefill = st.prefill == w.name and unmigrated
-        if on_prefill and st.decode not in self._lost:
-            self._spawn(self._retry_prefill(st, w.name))
-        elif st.decode == w.name and not all(st.done):
-            if st.resending or (unmigrated and st.prefill not in self._lost):
+        unmigrated = request.migration is None and not request.decoded
+        on_prefill = request.prefill == worker.name and unmigrated
+        if on_prefill and request.decode not in self._lost:
+            self._spawn(self._retry_prefill(request, worker.name))
+        elif request.decode == worker.name and not all(request.done):
+            if request.resending or (unmigrated and request.prefill not in self._lost):
                 return  # the prefill worker's migration to it fails and its held blocks are re-sent
-            self._resume(st, w.name, f"decode worker {w.name} stopped responding")
+            self._resume(request, worker.name, f"decode worker {worker.name} stopped responding")
         elif on_prefill:
             self.metrics.count_error("worker_lost")
-            self._drop(st, ok=False)
-            st.q.put_nowait(ServiceUnavailable(f"{w.role} worker {w.name} stopped responding; "
+            self._drop(request, ok=False)
+            request.q.put_nowait(ServiceUnavailable(f"{worker.role} worker {worker.name} stopped responding; "
                                                f"the request was lost"))

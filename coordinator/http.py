@@ -19,18 +19,16 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from coordinator.backend import FinalEvent, TokenEvent
-from coordinator.detokenize import Detokenizer
+from coordinator.completion import CompletionRun, Delta
 from coordinator.metrics import CONTENT_TYPE, Metrics
 from coordinator.protocol import (
     APIError,
     InternalError,
     ModelNotFound,
-    Timeout,
     parse_completion_request,
     resolve_prompt,
 )
@@ -41,121 +39,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HTTPConfig:
-    """host/port: where `serve` binds (loopback unless told otherwise).
-    max_n: largest `n` accepted. max_body_bytes: larger request bodies get 413.
-    stall_timeout_s: longest wait for the backend's next event before the request fails (504).
-    final_event_timeout_s: after every choice finished here, how long to wait for the backend's
-        closing FinalEvent before closing its stream (which aborts the backend request)."""
-
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"        # where `serve` binds (loopback unless told otherwise)
     port: int = 8000
-    max_n: int = MAX_N
-    max_body_bytes: int = 1 << 20
-    stall_timeout_s: float = 60.0
+    max_n: int = MAX_N             # largest `n` accepted
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    stall_timeout_s: float = 60.0  # longest wait for the backend's next event before the request fails (504)
+    # once every choice finished here, how long to wait for the backend's closing FinalEvent before
+    # closing its stream (which aborts the backend request)
     final_event_timeout_s: float = 1.0
 
 
 BACKEND = web.AppKey("backend", object)
 CONFIG = web.AppKey("config", HTTPConfig)
 METRICS = web.AppKey("metrics", Metrics)
-
-
-@dataclass
-class _Choice:
-    detok: Detokenizer
-    ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Delta:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-class _Run:
-    """One admitted request: pulls backend events, turns them into per-choice deltas, keeps time."""
-
-    def __init__(self, app: web.Application, creq):
-        self.backend, self.cfg, self.metrics = app[BACKEND], app[CONFIG], app[METRICS]
-        self.creq = creq
-        self.t0 = time.monotonic()
-        self.t_first: float | None = None
-        self.choices = [_Choice(Detokenizer(self.backend.tokenizer, creq.stop)) for _ in range(creq.n)]
-        self.final: FinalEvent | None = None
-        self.error: APIError | None = None  # a failure already reported inside a started stream
-
-    async def deltas(self):
-        gen = self.backend.submit(self.creq)
-        async with contextlib.aclosing(gen):
-            while any(c.finish_reason is None for c in self.choices):
-                ev = await self._next(gen, self.cfg.stall_timeout_s)
-                if ev is None:
-                    raise InternalError("the backend ended the request before every choice finished")
-                if isinstance(ev, FinalEvent):
-                    self.final = ev
-                elif isinstance(ev, TokenEvent) and 0 <= ev.index < len(self.choices):
-                    d = self._apply(ev)
-                    if d is not None:
-                        yield d
-            if self.final is None:  # normally already queued right behind the last token
-                with contextlib.suppress(Timeout, StopAsyncIteration):
-                    ev = await self._next(gen, self.cfg.final_event_timeout_s)
-                    self.final = ev if isinstance(ev, FinalEvent) else None
-
-    async def _next(self, gen, timeout: float):
-        try:
-            return await asyncio.wait_for(gen.__anext__(), timeout)
-        except StopAsyncIteration:
-            return None
-        except asyncio.TimeoutError:
-            raise Timeout(f"the backend sent nothing for {timeout:g}s") from None
-
-    def _apply(self, ev: TokenEvent) -> _Delta | None:
-        c = self.choices[ev.index]
-        if c.finish_reason is not None:
-            return None  # this choice already ended here (stop string seen before the backend saw it)
-        if self.t_first is None:
-            self.t_first = time.monotonic()
-            self.metrics.first_token(self.t_first - self.t0)
-        taken = c.detok.push(ev.token_ids)
-        new_ids = list(ev.token_ids[:taken])
-        c.ids += new_ids
-        if c.detok.stopped:
-            c.finish_reason = "stop"
-        elif ev.finish_reason is not None:
-            c.finish_reason = ev.finish_reason
-            c.detok.finish()
-        text = c.detok.take(final=c.finish_reason is not None)
-        if not text and not new_ids and c.finish_reason is None:
-            return None
-        return _Delta(ev.index, text, new_ids, c.finish_reason)
-
-    def usage(self) -> dict:
-        completion = sum(len(c.ids) for c in self.choices)
-        prompt = len(self.creq.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def timing(self) -> dict:
-        """Latencies (ms) plus the backend's info, for the response's `pdserve` extension."""
-        now = time.monotonic()
-        out = {"e2e_ms": round((now - self.t0) * 1000, 3)}
-        if self.t_first is not None:
-            out["ttft_ms"] = round((self.t_first - self.t0) * 1000, 3)
-            longest = max(len(c.ids) for c in self.choices)
-            if longest > 1:
-                out["tpot_ms"] = round((now - self.t_first) * 1000 / (longest - 1), 3)
-        out["backend"] = self.final.info if self.final is not None else {}
-        return out
-
-    def record(self, status: str) -> None:
-        t = self.timing()
-        tpot = t.get("tpot_ms")
-        self.metrics.request_done(status, started=self.t_first is not None, e2e_s=t["e2e_ms"] / 1000,
-                                  tpot_s=None if tpot is None else tpot / 1000,
-                                  completion_tokens=self.usage()["completion_tokens"])
 
 
 def _error_response(e: APIError) -> web.Response:
@@ -205,7 +101,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         raise
     model = creq.model or names[0]
     metrics.request_admitted(len(creq.prompt_ids))
-    run = _Run(app, creq)
+    run = CompletionRun(backend, cfg, metrics, creq)
     status = "aborted"
     try:
         if creq.stream:
@@ -226,12 +122,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         run.record(status)
 
 
-def _head(run: _Run, model: str) -> dict:
+def _head(run: CompletionRun, model: str) -> dict:
     return {"id": run.creq.request_id, "object": "text_completion", "created": int(time.time()),
             "model": model}
 
 
-async def _whole(run: _Run, model: str) -> web.Response:
+async def _whole(run: CompletionRun, model: str) -> web.Response:
     texts = [""] * len(run.choices)
     async for d in run.deltas():
         texts[d.index] += d.text
@@ -245,7 +141,7 @@ def _sse(obj) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
 
-async def _stream(request: web.Request, run: _Run, model: str) -> web.StreamResponse:
+async def _stream(request: web.Request, run: CompletionRun, model: str) -> web.StreamResponse:
     """Each delta is written as soon as it exists; only the one that finishes the last choice
     waits for the end of the backend's stream, so it can carry usage and timings."""
     it = run.deltas().__aiter__()
@@ -255,16 +151,17 @@ async def _stream(request: web.Request, run: _Run, model: str) -> web.StreamResp
         await resp.prepare(request)
         head = _head(run, model)
         last: dict | None = None
-        d: _Delta | None = first
+        delta: Delta | None = first
         try:
-            while d is not None:
-                chunk = {**head, "choices": [{"index": d.index, "text": d.text, "token_ids": d.token_ids,
-                                              "logprobs": None, "finish_reason": d.finish_reason}]}
+            while delta is not None:
+                chunk = {**head, "choices": [{"index": delta.index, "text": delta.text,
+                                              "token_ids": delta.token_ids, "logprobs": None,
+                                              "finish_reason": delta.finish_reason}]}
                 if all(c.finish_reason is not None for c in run.choices):
                     last = chunk  # the final delta: held until the final event has been read
                 else:
                     await resp.write(_sse(chunk))
-                d = await anext(it, None)
+                delta = await anext(it, None)
             last = last or {**head, "choices": []}
             last["usage"] = run.usage()
             last["pdserve"] = run.timing()

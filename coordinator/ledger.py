@@ -1,11 +1,12 @@
-"""Ownership ledger: which worker owns each request's KV blocks, in which phase, at which epoch.
+"""Ownership ledger: which workers hold each request's KV blocks, in which phase, at which epoch.
 
 Every move of ownership (queued -> prefilling on a prefill worker -> migrating -> decoding on a
-decode worker -> finished/failed, or a retry on another worker) bumps the request's epoch.
-Transfers carry the epoch they were issued under; `is_current` tells a worker whether to commit,
-so a late, duplicate or stale transfer is refused instead of touching a live sequence. At rest
-(no request active) every worker's used blocks, prefix-cache entries aside, must reconcile with
-`owned_blocks()`: `reconcile` reports any difference.
+decode worker -> finished/failed, or a retry on another worker) bumps the request's epoch;
+transfers carry the epoch they were issued under and decode workers refuse any other. The
+blocks come from the workers themselves: each `WorkerReport` says how many blocks the worker
+holds per request, and `record` writes them down, so while requests run the ledger's
+`owned_blocks()` per worker equals that worker's used blocks (coordinator.reconcile compares
+the two on every report).
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ class LedgerError(RuntimeError):
 
 @dataclass
 class Entry:
+    """One request. owner: the worker responsible in this phase (prefill worker while
+    prefilling, decode worker from migrating on). blocks: worker -> blocks it reports holding."""
+
     request_id: str
     phase: Phase = Phase.QUEUED
     owner: str | None = None
     epoch: int = 0
-    blocks: int = 0                       # blocks the owner holds for it (reported by workers)
+    blocks: dict[str, int] = field(default_factory=dict)
     history: list[tuple[float, str, str | None, int]] = field(default_factory=list)
 
 
@@ -54,50 +58,61 @@ class Ledger:
         with self._lock:
             if request_id in self._entries:
                 raise LedgerError(f"request {request_id!r} is already in the ledger")
-            e = Entry(request_id)
-            e.history.append((time.time(), e.phase.value, None, 0))
-            self._entries[request_id] = e
-            return e
+            entry = Entry(request_id)
+            entry.history.append((time.time(), entry.phase.value, None, 0))
+            self._entries[request_id] = entry
+            return entry
 
-    def move(self, request_id: str, phase: Phase, owner: str | None, blocks: int = 0) -> int:
+    def move(self, request_id: str, phase: Phase, owner: str | None) -> int:
         """Record a phase change; returns the new epoch (bumped on every move)."""
         with self._lock:
-            e = self._get(request_id)
-            if e.phase in TERMINAL:
-                raise LedgerError(f"request {request_id!r} is {e.phase.value}; "
+            entry = self._get(request_id)
+            if entry.phase in TERMINAL:
+                raise LedgerError(f"request {request_id!r} is {entry.phase.value}; "
                                   f"it cannot move to {phase.value}")
-            e.phase, e.owner, e.blocks = phase, owner, blocks
-            e.epoch += 1
-            e.history.append((time.time(), phase.value, owner, e.epoch))
+            entry.phase, entry.owner = phase, owner
+            entry.epoch += 1
+            entry.history.append((time.time(), phase.value, owner, entry.epoch))
             if phase in TERMINAL:
                 self.counts[phase.value] += 1
-                e.blocks = 0
+                entry.blocks.clear()
                 self._done.append(request_id)
                 while len(self._done) > self._keep:
                     self._entries.pop(self._done.pop(0), None)
-            return e.epoch
+            return entry.epoch
 
     def close(self, request_id: str, ok: bool) -> None:
         with self._lock:
-            e = self._entries.get(request_id)
-            if e is None or e.phase in TERMINAL:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.phase in TERMINAL:
                 return
         self.move(request_id, Phase.FINISHED if ok else Phase.FAILED, None)
 
-    def is_current(self, request_id: str, epoch: int) -> bool:
+    def record(self, worker: str, holdings: dict[str, int]) -> None:
+        """A worker's report: the blocks it holds per request (requests it does not list: none)."""
         with self._lock:
-            e = self._entries.get(request_id)
-            return e is not None and e.phase not in TERMINAL and e.epoch == epoch
+            for entry in self._entries.values():
+                if entry.phase in TERMINAL:
+                    continue
+                held = holdings.get(entry.request_id)
+                if held is None:
+                    entry.blocks.pop(worker, None)
+                else:
+                    entry.blocks[worker] = int(held)
+
+    def forget_worker(self, worker: str) -> None:
+        """A dead worker holds nothing any more."""
+        self.record(worker, {})
 
     def get(self, request_id: str) -> Entry | None:
         with self._lock:
             return self._entries.get(request_id)
 
     def _get(self, request_id: str) -> Entry:
-        e = self._entries.get(request_id)
-        if e is None:
+        entry = self._entries.get(request_id)
+        if entry is None:
             raise LedgerError(f"unknown request {request_id!r}")
-        return e
+        return entry
 
     def active(self) -> list[Entry]:
         with self._lock:
@@ -106,21 +121,17 @@ class Ledger:
     def owned_blocks(self) -> dict[str, int]:
         """Blocks each worker holds for live requests, as last reported."""
         out: dict[str, int] = {}
-        for e in self.active():
-            if e.owner is not None:
-                out[e.owner] = out.get(e.owner, 0) + e.blocks
+        for entry in self.active():
+            for worker, blocks in entry.blocks.items():
+                out[worker] = out.get(worker, 0) + blocks
         return out
 
-    def reconcile(self, used_by_worker: dict[str, int]) -> dict[str, tuple[int, int]]:
-        """Workers whose used blocks differ from the ledger: worker -> (ledger, worker)."""
-        owned = self.owned_blocks()
-        return {w: (owned.get(w, 0), n) for w, n in used_by_worker.items() if owned.get(w, 0) != n}
-
     def summary(self) -> dict:
-        act = self.active()
+        active = self.active()
         by_phase: dict[str, int] = {}
-        for e in act:
-            by_phase[e.phase.value] = by_phase.get(e.phase.value, 0) + 1
-        return {"active_requests": len(act), "owned_blocks": sum(self.owned_blocks().values()),
-                "owned_blocks_by_worker": self.owned_blocks(), "by_phase": by_phase,
+        for entry in active:
+            by_phase[entry.phase.value] = by_phase.get(entry.phase.value, 0) + 1
+        owned = self.owned_blocks()
+        return {"active_requests": len(active), "owned_blocks": sum(owned.values()),
+                "owned_blocks_by_worker": owned, "by_phase": by_phase,
                 "finished": self.counts["finished"], "failed": self.counts["failed"]}

@@ -2,8 +2,8 @@
 
 `Metrics` holds what the HTTP layer observes per request (TTFT, TPOT, end-to-end latency,
 requests by status, errors by kind, queue depth, tokens) plus hooks the cluster backend calls
-as things happen (`observe_migration`, `observe_allocation`, `count_fallback`,
-`count_backpressure`). Point-in-time
+as things happen (`observe_migration`, `count_backpressure`, `count_retry`,
+`count_discrepancy`). Point-in-time
 worker state (pool blocks, tail-slot waste, queue depth, cumulative preemptions) is rendered
 at scrape time from the backend's worker dicts by `worker_metrics_text`, so counts kept by
 workers never have to be mirrored here. Every metric name starts with `pdserve_`.
@@ -51,11 +51,10 @@ class Metrics:
                                          ["transport"], buckets=_BYTES_BUCKETS, registry=r)
         self.migration_blocks = Counter("pdserve_migration_blocks", "KV blocks migrated", ["transport"],
                                         registry=r)
-        self.allocation_latency = Histogram("pdserve_allocation_latency_seconds",
-                                            "Time to reserve KV blocks on a worker", ["worker"],
-                                            buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.fallbacks = Counter("pdserve_fallbacks", "Work done other than configured (e.g. another "
-                                 "worker or transport than the first choice), by kind", ["kind"], registry=r)
+        self.discrepancies = Counter("pdserve_ledger_discrepancies", "Differences between the ledger and "
+                                     "a worker's report that outlived the grace period, by kind (orphan: "
+                                     "aborted there; vanished: request failed; unowned: leaked in the "
+                                     "worker)", ["kind"], registry=r)
         self.backpressure = Counter("pdserve_backpressure_refusals", "Reservations a decode worker refused "
                                     "for lack of room (the request tried another or waited)", ["worker"],
                                     registry=r)
@@ -98,14 +97,11 @@ class Metrics:
         self.migration_bytes.labels(transport=transport).observe(nbytes)
         self.migration_blocks.labels(transport=transport).inc(blocks)
 
-    def observe_allocation(self, ms: float, worker: str) -> None:
-        self.allocation_latency.labels(worker=worker).observe(ms / 1000.0)
-
-    def count_fallback(self, kind: str) -> None:
-        self.fallbacks.labels(kind=kind).inc()
-
     def count_backpressure(self, worker: str) -> None:
         self.backpressure.labels(worker=worker).inc()
+
+    def count_discrepancy(self, kind: str) -> None:
+        self.discrepancies.labels(kind=kind).inc()
 
     def count_retry(self, phase: str) -> None:
         self.retries.labels(phase=phase).inc()

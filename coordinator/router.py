@@ -13,7 +13,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvcache.allocator import ROOT_HASH, hash_block
+from protocol.prefix_hash import ROOT_HASH, hash_block
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 

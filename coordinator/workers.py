@@ -2,10 +2,11 @@
 
 `spawn_workers` places the actors a `ClusterConfig` asks for (prefill + decode workers, or K
 colocated workers) with the engine settings of each role. `WorkerState` is what the coordinator
-knows of one worker (handle, address, block size, the stats of its last heartbeat, liveness);
-`RequestState` is one request in flight (its workers, its migration epoch, the reorder buffer of
-token events by output position). `call` awaits a Ray call with a bound. Nothing here runs an
-engine: the engines live in the actors (prefill_worker/, decode_worker/).
+knows of one worker (handle, address, block size, its last report, liveness); `RequestState` is
+one request in flight (its workers, its migration epoch, the reorder buffer of token events by
+output position). `command` sends a typed command (protocol.messages) and awaits its reply with
+a bound; `tell` sends one without waiting. Nothing here runs an engine: the engines live in the
+actors (prefill_worker/, decode_worker/).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+
+from protocol.codec import decode, encode
 
 ROLES_DISAGGREGATED = ("prefill", "decode")
 ROLES_COLOCATED = ("colocated",)
@@ -27,6 +30,7 @@ class WorkerState:
     block_size: int = 0
     model: str = ""
     stats: dict = field(default_factory=dict)
+    holdings: dict = field(default_factory=dict)   # request id -> blocks, from its last report
     last_seen: float = field(default_factory=time.monotonic)
     dead: str | None = None
 
@@ -87,7 +91,18 @@ class RequestState:
 
 
 async def call(ref, timeout: float):
+    """Await a Ray object ref, at most `timeout` seconds."""
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+
+
+async def command(worker: WorkerState, cmd, timeout: float):
+    """Send a typed command to a worker and return its typed reply (bounded)."""
+    return decode(await call(worker.handle.command.remote(encode(cmd)), timeout))
+
+
+def tell(worker: WorkerState, cmd) -> None:
+    """Send a typed command without waiting (its reply, or the worker's death, is ignored)."""
+    worker.handle.command.remote(encode(cmd))
 
 
 def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerState]:
@@ -120,6 +135,7 @@ def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerSta
                            hold_s=c.reserve_wait_s + 2 * c.call_timeout_s)  # outlives a resend's reserve
             elif role == "decode":
                 cfg.update(transport=c.transport, kv_host=c.host, reserve_ttl_s=c.event_timeout_s)
+            cfg["heartbeat_s"] = c.report_s
             handle = ray.remote(cls).options(name=name, namespace=namespace, num_cpus=c.actor_cpus,
                                              resources=dict(res), max_restarts=0).remote(cfg)
             out[name] = WorkerState(name, role, handle)

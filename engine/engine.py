@@ -34,24 +34,16 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """model: 'tiny' or a Hugging Face checkpoint directory.
-    device: 'cpu' or 'cuda[:i]'; dtype: None picks float32 on CPU, bfloat16 on CUDA.
-    block_size: token slots per KV block. num_blocks: device pool size in blocks.
-    num_host_blocks: host swap pool in blocks (0 disables swap preemption).
-    enable_prefix_caching: reuse full blocks of prompts seen before.
-    attention_backend: 'auto', 'torch' or 'triton'.
-    role: 'colocated', 'prefill' or 'decode'."""
-
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str | None = None
-    block_size: int = 16
-    num_blocks: int = 512
-    num_host_blocks: int = 256
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    role: str = "colocated"
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model: str = "tiny"              # 'tiny' or a Hugging Face checkpoint directory
+    device: str = "cpu"              # 'cpu' or 'cuda[:i]'
+    dtype: str | None = None         # None picks float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16             # token slots per KV block
+    num_blocks: int = 512            # device pool size in blocks
+    num_host_blocks: int = 256       # host swap pool in blocks (0 disables swap preemption)
+    enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
+    attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
+    role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -15,8 +15,10 @@ eos_token_id (int | None), eos_token_ids (tuple), vocab_size and kind ('byte' or
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from engine.config import ModelConfig
+if TYPE_CHECKING:  # no runtime import: the coordinator loads tokenizers without torch
+    from engine.config import ModelConfig
 
 
 class ByteTokenizer:
@@ -69,7 +71,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory: str | None, config: ModelConfig) -> ByteTokenizer | HFTokenizer:
-    """tokenizer.json from `directory` when present, else the byte-level tokenizer."""
+    """tokenizer.json from `directory` when present, else the byte-level tokenizer. `config` is a
+    ModelConfig or anything with vocab_size, bos_token_id and eos_token_ids (e.g. WorkerInfo)."""
     if directory is not None:
         path = os.path.join(directory, "tokenizer.json")
         if os.path.isfile(path):

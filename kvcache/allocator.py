@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 
 import numpy as np
-import xxhash
 
-ROOT_HASH = 0
+from protocol.prefix_hash import ROOT_HASH, hash_block  # noqa: F401  (kvcache's public names)
 
 
 class IntegrityError(RuntimeError):
@@ -35,24 +34,6 @@ class IntegrityError(RuntimeError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise IntegrityError(msg)
-
-
-def hash_block(parent_hash: int, token_ids, extra_key: bytes | str | None = None) -> int:
-    """Chained prefix hash of one full block: H(parent hash, the block's token ids, extra key).
-
-    Stable across processes and machines (xxh3-64 over bytes), so two workers can compare hashes.
-    The encoding is unambiguous: the token count and the extra key's presence and length are
-    hashed too, so no (tokens, key) pair can collide with another by shifting bytes between them.
-    """
-    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (T,)
-    h = xxhash.xxh3_64()
-    h.update(int(parent_hash).to_bytes(8, "little", signed=False))
-    h.update(len(tokens).to_bytes(8, "little"))
-    h.update(tokens.tobytes())
-    if extra_key is not None:
-        key = extra_key.encode() if isinstance(extra_key, str) else bytes(extra_key)
-        h.update(b"\x01" + len(key).to_bytes(8, "little") + key)
-    return h.intdigest()
 
 
 class BlockAllocator:

@@ -1,6 +1,6 @@
-"""Prefill worker (`worker.PrefillWorker`, run as a Ray actor): a `role='prefill'` engine stepped by
-a background thread; for each request it fills its pool with the prompt's KV, pushes the first
-token to the coordinator, migrates every sequence's blocks to the decode worker the coordinator
-chose (over `transfer/`, under the coordinator's epoch) and releases them once acknowledged;
-full blocks stay in its prefix cache.
+"""Prefill worker (`worker.PrefillWorker`, a Ray actor on the worker runtime): its role handler
+(`handler`) runs each prompt through a `role='prefill'` engine, reports the first token, migrates
+every sequence's blocks to the decode worker the coordinator reserved (over `transfer/`, under
+the coordinator's epoch) and releases them once acknowledged, or holds them for a resend when a
+migration fails; full blocks stay in its prefix cache.
 """

@@ -39,7 +39,8 @@ def _default(obj):
     name = type(obj).__name__
     if _REGISTRY.get(name) is type(obj):
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        return msgpack.ExtType(MESSAGE_EXT, msgpack.packb([name, fields], default=_default, use_bin_type=True))
+        packed = msgpack.packb([name, fields], default=_default, use_bin_type=True)
+        return msgpack.ExtType(MESSAGE_EXT, packed)
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise TypeError(f"cannot encode {name} in the worker protocol")
@@ -77,7 +78,8 @@ def _type_ok(value, annotation: str) -> bool:
         return isinstance(value, (list, tuple)) and all(_type_ok(v, inner) for v in value)
     if annotation.startswith("dict["):
         key, val = _split_top(annotation[5:-1], ",")
-        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, val) for k, v in value.items())
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, val)
+                                               for k, v in value.items())
     if annotation in ("int", "float") and isinstance(value, bool):
         return False
     simple = _SIMPLE.get(annotation) or _REGISTRY.get(annotation)

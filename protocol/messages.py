@@ -120,7 +120,8 @@ class Reply:
 @message
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What a worker is: its role, KV address (decode workers), layout fingerprint and model."""
+    """What a worker is: its role, KV address (decode workers), layout fingerprint, and the model
+    facts the coordinator needs without loading it (context length, vocabulary, special ids)."""
 
     name: str
     role: str
@@ -130,6 +131,8 @@ class WorkerInfo:
     model: str
     max_context: int
     vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
 
 
 # ---- events -----------------------------------------------------------------------------------
@@ -139,13 +142,14 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class Tokens:
     """New tokens of choice `index`, starting at output position `start`; finish_reason set on
-    the choice's last tokens."""
+    the choice's last tokens, with how often the request was preempted on this worker so far."""
 
     request_id: str
     index: int
     start: int
     token_ids: list[int]
     finish_reason: str | None = None
+    preemptions: int = 0
 
 
 @message

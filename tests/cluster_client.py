@@ -59,6 +59,49 @@ def wait_at_rest(port: int, deadline_s: float = 20.0) -> dict:
         time.sleep(0.2)
 
 
+def ledger_differences(info: dict) -> dict[str, tuple[int, int]]:
+    """Live workers whose used blocks differ from what the ledger records for them:
+    name -> (ledger, worker). Empty when the two agree."""
+    owned = info["ledger"]["owned_blocks_by_worker"]
+    return {w["name"]: (owned.get(w["name"], 0), w["used_blocks"]) for w in info["workers"]
+            if w["alive"] and owned.get(w["name"], 0) != w["used_blocks"]}
+
+
+def discrepancies(port: int) -> float:
+    """pdserve_ledger_discrepancies_total summed over kinds."""
+    text = get(port, "/metrics").decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdserve_ledger_discrepancies_total{"))
+
+
+def workers(port: int) -> dict[str, dict]:
+    return {w["name"]: w for w in cluster_info(port)["workers"]}
+
+
+def poll_workers(port: int, ok, deadline_s: float = 20.0) -> dict[str, dict]:
+    """Worker stats (from their reports, ~0.2 s apart) once `ok(workers)` holds; the last ones
+    if it never does within the deadline (the caller's asserts then fail with them)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        found = workers(port)
+        if ok(found) or time.monotonic() > end:
+            return found
+        time.sleep(0.2)
+
+
+def set_router(server, role: str, policy: str) -> None:
+    from coordinator.router import Router
+
+    async def set_it():
+        server.backend.routers[role] = Router(policy)
+    server.call(set_it())
+
+
+def greedy_ids(engine, prompt, **params) -> list[int]:
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return engine.generate([ids], SamplingParams(**params))[0].choices[0]["token_ids"]
+
+
 def reference(engine, prompts, params: SamplingParams) -> list[list[list[int]]]:
     """The in-process engine's token ids, per prompt, per choice."""
     return [[c["token_ids"] for c in comp.choices] for comp in engine.generate(prompts, params)]

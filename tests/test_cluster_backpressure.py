@@ -1,6 +1,6 @@
 """Credit-based backpressure end to end on a local Ray: decode workers whose pools hold only two
 requests each receive more concurrent requests than fit. Each migration is reserved first
-(`DecodeWorker.reserve`); refused ones try the other decode worker, then wait. Every request
+(the `Reserve` command); refused ones try the other decode worker, then wait. Every request
 completes with the in-process engine's tokens, refusals are counted, and afterwards no block is
 used and no credit is left reserved anywhere, with the ledger at rest.
 
@@ -27,6 +27,8 @@ from coordinator.cluster import ClusterConfig  # noqa: E402
 from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from protocol.codec import decode, encode  # noqa: E402
+from protocol.messages import Abort, Reserve  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,7 +71,7 @@ def test_overload_waits_for_room_and_every_request_completes(cluster):
     assert all(w["used_blocks"] == 0 and w["reserved_blocks"] == 0 for w in decode)
     assert all(w["used_blocks"] == 0 for w in info["workers"])
     assert info["ledger"]["active_requests"] == 0 and info["ledger"]["failed"] == 0
-    assert cluster.backend.ledger.reconcile({w["name"]: w["used_blocks"] for w in info["workers"]}) == {}
+    assert cc.ledger_differences(info) == {} and cc.discrepancies(cluster.port) == 0
 
 
 def test_request_larger_than_every_decode_pool_is_refused_with_400(cluster):
@@ -83,26 +85,33 @@ def test_request_larger_than_every_decode_pool_is_refused_with_400(cluster):
     assert all(w["used_blocks"] == 0 and w.get("reserved_blocks", 0) == 0 for w in info["workers"])
 
 
+def _command(handle, cmd):
+    import ray
+
+    return decode(ray.get(handle.command.remote(encode(cmd)), timeout=30))
+
+
 def test_reserve_admits_by_free_blocks_and_releases_on_abort(cluster):
-    """The actor method directly: 8 free blocks admit 4 + 4, refuse a third, and abort frees the
-    credit so the same request fits again."""
+    """The typed command directly: 8 free blocks admit 4 + 4, refuse a third, and abort frees the
+    credit so the same request fits again; a malformed Reserve is refused with a typed error."""
     import ray
 
     h = cluster.backend.workers["decode-1"].handle
-    assert ray.get(h.reserve.remote("bp-a", 1, 41, 1), timeout=30) is True
-    assert ray.get(h.reserve.remote("bp-b", 1, 41, 1), timeout=30) is True
-    assert ray.get(h.reserve.remote("bp-c", 1, 41, 1), timeout=30) is False
-    assert ray.get(h.reserve.remote("bp-d", 1, 10, 2), timeout=30) is False  # 2 x (1 + 1) blocks
-    h.abort.remote("bp-a")
-    assert ray.get(h.reserve.remote("bp-c", 1, 10, 2), timeout=30) is True   # 4 blocks freed by abort
+    assert _command(h, Reserve("bp-a", 1, 41, 1)).granted is True
+    assert _command(h, Reserve("bp-b", 1, 41, 1)).granted is True
+    assert _command(h, Reserve("bp-c", 1, 41, 1)).granted is False
+    assert _command(h, Reserve("bp-d", 1, 10, 2)).granted is False  # 2 x (1 + 1) blocks
+    _command(h, Abort("bp-a"))
+    assert _command(h, Reserve("bp-c", 1, 10, 2)).granted is True   # 4 blocks freed by abort
     for rid in ("bp-b", "bp-c"):
-        h.abort.remote(rid)
+        _command(h, Abort(rid))
     deadline = time.monotonic() + 10
     while ray.get(h.stats.remote(), timeout=30)["reserved_blocks"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.get(h.stats.remote(), timeout=30)["reserved_blocks"] == 0
-    with pytest.raises(ray.exceptions.RayTaskError):
-        ray.get(h.reserve.remote("bp-e", 1, 0, 1), timeout=30)
+    bad = encode(Reserve("bp-e", 1, 1, 1)).replace(b"num_tokens\x01", b"num_tokens\x00")
+    assert "num_tokens >= 1" in decode(ray.get(h.command.remote(bad), timeout=30)).error
+    assert "bad command" in decode(ray.get(h.command.remote(b"\xc1garbage"), timeout=30)).error
 
 
 def test_unconsumed_credit_expires_after_its_ttl():
@@ -125,13 +134,16 @@ def test_unconsumed_credit_expires_after_its_ttl():
             time.sleep(0.02)
         return w.stats()["reserved_blocks"]
 
+    def reserve(rid, epoch, tokens, n, sender=""):
+        return decode(w.command(encode(Reserve(rid, epoch, tokens, n, sender)))).granted
+
     try:
-        assert w.reserve("a", 1, 41, 1) and w.reserve("b", 1, 41, 1)
-        assert not w.reserve("c", 1, 41, 1)
-        assert w.refused_reservations == 1
+        assert reserve("a", 1, 41, 1) and reserve("b", 1, 41, 1)
+        assert not reserve("c", 1, 41, 1)
+        assert w.handler.credits.refused == 1  # (the stats snapshot shows it one iteration later)
         assert wait_reserved(8) == 8
         assert wait_reserved(0) == 0  # expired: nothing was imported for them
-        assert w.reserve("c", 1, 41, 1)
+        assert reserve("c", 1, 41, 1)
     finally:
         w.shutdown()
         pull.close(0)
@@ -151,21 +163,27 @@ def test_reservation_is_the_receivers_admission():
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     w = DecodeWorker({"name": "decode-adm", "events_address": f"tcp://127.0.0.1:{port}",
                       "engine": {"num_blocks": 32}, "reserve_ttl_s": 1.0})
+    credits = w.handler.credits
+
+    def reserve(rid, epoch, tokens, n, sender=""):
+        return decode(w.command(encode(Reserve(rid, epoch, tokens, n, sender)))).granted
+
     try:
-        assert not w.admit_transfer("r/0", 3, "prefill-0") and not w.admit_query("r/0", "prefill-0")
-        assert w.reserve("r", 3, 20, 2, "prefill-0")
-        assert w.admit_transfer("r/0", 3, "prefill-0") and w.admit_transfer("r/1", 3, "prefill-0")
-        assert w.admit_query("r/1", "prefill-0")
-        assert not w.admit_transfer("r/2", 3, "prefill-0")      # only n = 2 sequences
-        assert not w.admit_transfer("r/0", 2, "prefill-0")      # another epoch
-        assert not w.admit_transfer("r/0", 3, "prefill-1")      # another sender
-        assert not w.admit_query("r/0", "prefill-1") and not w.admit_query("q/0", "prefill-0")
-        assert not w.admit_transfer("r", 3, "prefill-0")        # not a transfer id
-        w.abort("r")
-        assert not w.admit_transfer("r/0", 3, "prefill-0")
-        assert w.reserve("s", 1, 20, 1, "prefill-0")
+        assert not credits.admit_transfer("r/0", 3, "prefill-0")
+        assert not credits.admit_query("r/0", "prefill-0")
+        assert reserve("r", 3, 20, 2, "prefill-0")
+        assert credits.admit_transfer("r/0", 3, "prefill-0") and credits.admit_transfer("r/1", 3, "prefill-0")
+        assert credits.admit_query("r/1", "prefill-0")
+        assert not credits.admit_transfer("r/2", 3, "prefill-0")      # only n = 2 sequences
+        assert not credits.admit_transfer("r/0", 2, "prefill-0")      # another epoch
+        assert not credits.admit_transfer("r/0", 3, "prefill-1")      # another sender
+        assert not credits.admit_query("r/0", "prefill-1") and not credits.admit_query("q/0", "prefill-0")
+        assert not credits.admit_transfer("r", 3, "prefill-0")        # not a transfer id
+        w.command(encode(Abort("r")))
+        assert not credits.admit_transfer("r/0", 3, "prefill-0")
+        assert reserve("s", 1, 20, 1, "prefill-0")
         time.sleep(1.2)
-        assert not w.admit_transfer("s/0", 1, "prefill-0")      # expired credit
+        assert not credits.admit_transfer("s/0", 1, "prefill-0")      # expired credit
     finally:
         w.shutdown()
         pull.close(0)

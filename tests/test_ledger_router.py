@@ -6,33 +6,58 @@ from coordinator.ledger import Ledger, LedgerError, Phase
 from coordinator.router import NoWorkerError, Router, WorkerLoad
 
 
-def test_every_move_bumps_the_epoch_and_stale_epochs_are_not_current():
+def test_every_move_bumps_the_epoch_and_blocks_come_from_worker_reports():
     led = Ledger()
     led.open("r1")
-    e1 = led.move("r1", Phase.PREFILLING, "prefill-0", blocks=3)
-    e2 = led.move("r1", Phase.MIGRATING, "prefill-0", blocks=3)
+    e1 = led.move("r1", Phase.PREFILLING, "prefill-0")
+    led.record("prefill-0", {"r1": 3})
+    assert led.owned_blocks() == {"prefill-0": 3}
+    e2 = led.move("r1", Phase.MIGRATING, "decode-0")
     assert (e1, e2) == (1, 2)
-    assert led.is_current("r1", 2) and not led.is_current("r1", 1)
-    e3 = led.move("r1", Phase.DECODING, "decode-0", blocks=4)
-    assert not led.is_current("r1", e2)  # a late transfer under the old epoch is refused
-    assert led.owned_blocks() == {"decode-0": 4}
+    led.record("decode-0", {"r1": 4})  # both hold blocks while the KV moves
+    assert led.owned_blocks() == {"prefill-0": 3, "decode-0": 4}
+    led.record("prefill-0", {})         # the prefill worker released them after the ack
+    led.move("r1", Phase.DECODING, "decode-0")
+    led.record("decode-0", {"r1": 6, "not-in-ledger": 2})  # decode growth; unknown ids are ignored
+    assert led.owned_blocks() == {"decode-0": 6}
+    assert led.get("r1").epoch == 3
     led.close("r1", ok=True)
-    assert not led.is_current("r1", e3)
+    assert led.owned_blocks() == {} and led.get("r1").blocks == {}
     assert led.summary()["active_requests"] == 0 and led.summary()["finished"] == 1
     with pytest.raises(LedgerError, match="finished"):
         led.move("r1", Phase.DECODING, "decode-0")
-
-
-def test_reconcile_reports_differences():
-    led = Ledger()
-    led.open("a")
-    led.move("a", Phase.DECODING, "d0", blocks=5)
-    assert led.reconcile({"d0": 5, "p0": 0}) == {}
-    assert led.reconcile({"d0": 6, "p0": 1}) == {"d0": (5, 6), "p0": (0, 1)}
     with pytest.raises(LedgerError):
-        led.open("a")
+        led.open("r1")
     with pytest.raises(LedgerError, match="unknown"):
         led.move("zz", Phase.DECODING, "d0")
+
+
+def test_reconciler_counts_and_repairs_only_what_outlives_the_grace(monkeypatch):
+    import coordinator.reconcile as rec
+
+    now = [100.0]
+    monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
+    led, counted = Ledger(), []
+    reconciler = rec.Reconciler(led, grace_s=1.0, count=counted.append)
+    for rid in ("live", "gone"):
+        led.open(rid)
+        led.move(rid, Phase.DECODING, "d0")
+    assigned = {"live": {"p0", "d0"}, "gone": {"p0", "d0"}}
+    holdings = {"live": 4, "ghost": 2}  # "gone" vanished from d0; "ghost" is nobody's request
+    stats = {"used_blocks": 7}          # and one block no request accounts for
+    assert reconciler.check("d0", "decode", stats, holdings, assigned) == ([], [])
+    now[0] += 0.5
+    assert reconciler.check("d0", "decode", stats, holdings, assigned) == ([], [])  # within the grace
+    assert counted == []
+    now[0] += 0.6
+    assert reconciler.check("d0", "decode", stats, holdings, assigned) == (["ghost"], ["gone"])
+    assert sorted(counted) == ["orphan", "unowned", "vanished"]
+    led.close("gone", ok=False)  # what the coordinator does with a vanished request
+    now[0] += 0.1  # resolved by then: forgotten, never counted again
+    assert reconciler.check("d0", "decode", {"used_blocks": 4}, {"live": 4}, {"live": {"d0"}}) == ([], [])
+    now[0] += 5
+    assert reconciler.check("d0", "decode", {"used_blocks": 4}, {"live": 4}, {"live": {"d0"}}) == ([], [])
+    assert len(counted) == 3
 
 
 def test_round_robin_skips_dead_and_excluded_workers():

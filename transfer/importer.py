@@ -77,11 +77,6 @@ class ImportSession:
         self.timings = {"prepare_ms": (time.perf_counter() - t0) * 1e3}
         self.last_activity = time.monotonic()
 
-    @property
-    def m(self) -> Manifest:
-        """Short alias of `manifest`, still read by transfer/zmq_receiver.py."""
-        return self.manifest
-
     # ---- validation and reservation -----------------------------------------------------
     def _validate(self, plan: CompatPlan | None) -> None:
         manifest = self.manifest

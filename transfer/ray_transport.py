@@ -29,7 +29,7 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.export import ExportedSequence
-from transfer.importer import import_sequence
+from transfer.importer import ImportResult, import_sequence
 from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
@@ -47,7 +47,6 @@ class RayReceiverEndpoint:
         self.metrics = metrics or DEFAULT_METRICS
         self.fingerprint = manager.storage.layout.fingerprint()
         self.plans: dict[str, tuple[CompatPlan, str]] = {}  # connection -> (plan, sender's name)
-        self.last_result = None
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
         if not counted:
@@ -79,27 +78,32 @@ class RayReceiverEndpoint:
         return encode(Held(q.request_id, tuple(i for i, h in enumerate(q.hashes) if lookup(h) is not None)))
 
     def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
+        """The actor-facing call: the reply bytes only (see `receive`)."""
+        return self.receive(conn, manifest, frames)[0]
+
+    def receive(self, conn: str, manifest: bytes, frames) -> tuple[bytes, ImportResult | None]:
+        """Import one transfer: the reply for the sender, and the committed import (None on a nack),
+        which the owner joins to its batch exactly as it does a ZeroMQ receiver's `poll` result."""
         t0 = time.perf_counter()
         try:
             m = decode(manifest, self.config.limits, Manifest)
         except TransferError as e:
-            return self._nack(e)
+            return self._nack(e), None
         entry = self.plans.get(str(conn))
         if entry is None:
             err = HandshakeRequired("transfer on a connection without a handshake")
-            return self._nack(err, m.request_id, m.epoch)
+            return self._nack(err, m.request_id, m.epoch), None
         plan, peer = entry
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer):
-            return self._nack(refused())  # NOTE: before any block is allocated; no detail echoed
+            return self._nack(refused()), None  # NOTE: before any block is allocated; no detail echoed
         try:
             res = import_sequence(self.manager, m, list(frames), plan, epochs=self.epochs,
                                   metrics=self.metrics, stage=self.stage)
         except TransferError as e:
-            return self._nack(e, m.request_id, m.epoch, counted=True)
+            return self._nack(e, m.request_id, m.epoch, counted=True), None
         res.timings["receive_ms"] = (time.perf_counter() - t0) * 1e3
-        self.last_result = res
         return encode(Ack(res.request_id, res.epoch, res.new_blocks, res.reused_blocks, res.nbytes,
-                          res.timings))
+                          res.timings)), res
 
 
 class RaySender:

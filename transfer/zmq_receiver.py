@@ -91,6 +91,11 @@ class ZmqReceiver:
                 if result is not None:
                     return result
 
+    def in_flight(self) -> dict[str, list[int]]:
+        """Transfer id -> receiver blocks reserved by an import still landing (not yet committed)."""
+        return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.peers.values()
+                if p.session is not None}
+
     def close(self) -> None:
         for ident in list(self.peers):
             p = self.peers[ident]
@@ -137,7 +142,7 @@ class ZmqReceiver:
         s, peer.session = peer.session, None
         if s is not None:
             s.abort(err)  # counts unless the session already counted a failure
-            nack = Nack(s.m.request_id, s.m.epoch, err.code, str(err))
+            nack = Nack(s.manifest.request_id, s.manifest.epoch, err.code, str(err))
             self._send(ident, TOKEN.pack(b"A", peer.token), nack)
         elif not counted:
             self.metrics.record_error(err)
@@ -153,8 +158,9 @@ class ZmqReceiver:
         now = time.monotonic()
         for ident, p in list(self.peers.items()):
             if p.session is not None and now - p.session.last_activity > self.config.idle_timeout_s:
+                rid = p.session.manifest.request_id
                 self._fail(ident, p, TransferTimeout(
-                    f"request {p.session.m.request_id!r}: sender silent for {self.config.idle_timeout_s}s"))
+                    f"request {rid!r}: sender silent for {self.config.idle_timeout_s}s"))
 
     def _handle(self) -> ImportResult | None:
         sock = self.sock

@@ -1,0 +1,115 @@
+"""One admitted completion request as the HTTP layer runs it: pulls the backend's events, turns
+them into per-choice deltas (text produced incrementally by coordinator.detokenize, stop strings
+cutting text and token ids at the same token), and keeps its latencies for the response and the
+metrics. Every wait on the backend is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from coordinator.backend import FinalEvent, TokenEvent
+from coordinator.detokenize import Detokenizer
+from coordinator.metrics import Metrics
+from coordinator.protocol import APIError, InternalError, Timeout
+
+
+@dataclass
+class Choice:
+    detok: Detokenizer
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class CompletionRun:
+    """One admitted request: pulls backend events, turns them into per-choice deltas, keeps time."""
+
+    def __init__(self, backend, config, metrics: Metrics, creq):
+        self.backend, self.cfg, self.metrics = backend, config, metrics
+        self.creq = creq
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None
+        self.choices = [Choice(Detokenizer(self.backend.tokenizer, creq.stop)) for _ in range(creq.n)]
+        self.final: FinalEvent | None = None
+        self.error: APIError | None = None  # a failure already reported inside a started stream
+
+    async def deltas(self):
+        gen = self.backend.submit(self.creq)
+        async with contextlib.aclosing(gen):
+            while any(c.finish_reason is None for c in self.choices):
+                event = await self._next(gen, self.cfg.stall_timeout_s)
+                if event is None:
+                    raise InternalError("the backend ended the request before every choice finished")
+                if isinstance(event, FinalEvent):
+                    self.final = event
+                elif isinstance(event, TokenEvent) and 0 <= event.index < len(self.choices):
+                    delta = self._apply(event)
+                    if delta is not None:
+                        yield delta
+            if self.final is None:  # normally already queued right behind the last token
+                with contextlib.suppress(Timeout, StopAsyncIteration):
+                    event = await self._next(gen, self.cfg.final_event_timeout_s)
+                    self.final = event if isinstance(event, FinalEvent) else None
+
+    async def _next(self, gen, timeout: float):
+        try:
+            return await asyncio.wait_for(gen.__anext__(), timeout)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            raise Timeout(f"the backend sent nothing for {timeout:g}s") from None
+
+    def _apply(self, event: TokenEvent) -> Delta | None:
+        c = self.choices[event.index]
+        if c.finish_reason is not None:
+            return None  # this choice already ended here (stop string seen before the backend saw it)
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+            self.metrics.first_token(self.t_first - self.t0)
+        taken = c.detok.push(event.token_ids)
+        new_ids = list(event.token_ids[:taken])
+        c.ids += new_ids
+        if c.detok.stopped:
+            c.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            c.finish_reason = event.finish_reason
+            c.detok.finish()
+        text = c.detok.take(final=c.finish_reason is not None)
+        if not text and not new_ids and c.finish_reason is None:
+            return None
+        return Delta(event.index, text, new_ids, c.finish_reason)
+
+    def usage(self) -> dict:
+        completion = sum(len(c.ids) for c in self.choices)
+        prompt = len(self.creq.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def timing(self) -> dict:
+        """Latencies (ms) plus the backend's info, for the response's `pdserve` extension."""
+        now = time.monotonic()
+        out = {"e2e_ms": round((now - self.t0) * 1000, 3)}
+        if self.t_first is not None:
+            out["ttft_ms"] = round((self.t_first - self.t0) * 1000, 3)
+            longest = max(len(c.ids) for c in self.choices)
+            if longest > 1:
+                out["tpot_ms"] = round((now - self.t_first) * 1000 / (longest - 1), 3)
+        out["backend"] = self.final.info if self.final is not None else {}
+        return out
+
+    def record(self, status: str) -> None:
+        t = self.timing()
+        tpot = t.get("tpot_ms")
+        self.metrics.request_done(status, started=self.t_first is not None, e2e_s=t["e2e_ms"] / 1000,
+                                  tpot_s=None if tpot is None else tpot / 1000,
+                                  completion_tokens=self.usage()["completion_tokens"])

@@ -1,0 +1,37 @@
+"""The cluster's configuration: one frozen dataclass, each field documented where it is declared
+(`pdserve up --config` files and `deploy/*.yaml` map onto it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    prefill: int = 1                  # prefill workers
+    decode: int = 1                   # decode workers
+    transport: str = "zmq"            # how KV moves: 'zmq' or 'ray'
+    model: str = "tiny"               # 'tiny' or a checkpoint directory
+    block_size: int = 16              # KV block size (prefill workers; decode too unless decode_block_size)
+    decode_block_size: int = 0        # decode workers' block size (0: block_size); migrations re-block
+    num_blocks: int = 512             # KV pool size per worker, in blocks
+    engine: dict = field(default_factory=dict)  # extra engine keyword arguments for every role
+    host: str = "127.0.0.1"           # interface the report socket and KV receivers bind (routable: nodes)
+    routing: str = "least_loaded"     # Router policy: round_robin, least_loaded or prefix_aware
+    actor_cpus: float = 0.25          # Ray CPUs reserved per worker (fractional fits a cluster on 2 cores)
+    start_timeout_s: float = 180.0    # bound on workers loading and handshaking
+    call_timeout_s: float = 10.0      # bound on one command to a worker
+    event_timeout_s: float = 60.0     # longest silence inside a request before it times out
+    heartbeat_timeout_s: float = 5.0  # a worker silent this long is dead (its requests move or fail with 503)
+    report_s: float = 0.2             # a worker reports at least this often
+    ledger_grace_s: float = 1.0       # a ledger discrepancy older than this is counted and repaired
+    monitor_s: float = 0.25           # how often liveness is checked
+    name: str | None = None           # served model name (None: model)
+    # Ray custom resources each worker of the role requests, to place roles on different nodes,
+    # e.g. {"prefill_node": 0.01} with nodes started `--resources '{"prefill_node": 1}'`
+    prefill_resources: dict = field(default_factory=dict)
+    decode_resources: dict = field(default_factory=dict)
+    colocated: int = 0                # > 0: this many colocated workers instead (no KV moves)
+    decode_num_blocks: int = 0        # decode workers' pool size (0: num_blocks)
+    reserve_wait_s: float = 30.0      # longest wait for decode room before 503 "decode workers full"
+    decode_model: str = ""            # decode workers' model ('': model); another model is refused

@@ -1,0 +1,65 @@
+"""Continuous reconciliation of the ledger against what each worker reports holding.
+
+On every `WorkerReport` the coordinator records the worker's holdings in the ledger and asks
+`Reconciler.check` what disagrees. Three kinds of discrepancy, each counted once it has
+outlived `grace_s` (a report can race a command in flight, so a moment's difference is normal):
+- `orphan`: the worker holds blocks for a request that is not live, or not assigned to it:
+  repaired by aborting the request on that worker (its blocks are freed);
+- `vanished`: the ledger says the worker is responsible for a live request (prefilling on it,
+  or decoding on it) but the worker no longer lists it: the request is failed loudly;
+- `unowned`: the worker's used blocks exceed what its requests account for (a leak inside the
+  worker): counted and logged; only the worker can free them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from coordinator.ledger import Ledger, Phase
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(self, ledger: Ledger, grace_s: float, count):
+        """count(kind): called once per discrepancy that outlived grace_s."""
+        self.ledger, self.grace_s, self.count = ledger, grace_s, count
+        self._since: dict[tuple[str, str, str], float] = {}  # (kind, worker, request) -> first seen
+
+    def check(self, worker: str, role: str, stats: dict, holdings: dict[str, int],
+              assigned: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+        """assigned: live request id -> the workers it currently runs on. Returns the requests to
+        abort on `worker` (orphans) and the requests to fail (their blocks vanished)."""
+        now, seen = time.monotonic(), set()
+        orphans = [rid for rid in holdings if worker not in assigned.get(rid, ())]
+        vanished = []
+        for entry in self.ledger.active():
+            responsible = entry.owner == worker and (
+                entry.phase is Phase.DECODING or (entry.phase is Phase.PREFILLING and role == "prefill"))
+            if responsible and entry.request_id not in holdings:
+                vanished.append(entry.request_id)
+        unowned = int(stats.get("used_blocks", 0)) - sum(holdings.values())
+        found = [("orphan", rid) for rid in orphans] + [("vanished", rid) for rid in vanished]
+        if unowned > 0:
+            found.append(("unowned", ""))
+        due: dict[str, list[str]] = {"orphan": [], "vanished": [], "unowned": []}
+        for kind, rid in found:
+            key = (kind, worker, rid)
+            seen.add(key)
+            first = self._since.setdefault(key, now)
+            if now - first > self.grace_s:
+                due[kind].append(rid)
+                del self._since[key]  # counted once; a repair that does not take is counted again
+        for key in [k for k in self._since if k[1] == worker and k not in seen]:
+            del self._since[key]  # it resolved itself within the grace
+        for kind, rids in due.items():
+            for rid in rids:
+                self.count(kind)
+                log.warning("ledger discrepancy on %s: %s %s (used %s, held %s)", worker, kind, rid or "",
+                            stats.get("used_blocks"), sum(holdings.values()))
+        return due["orphan"], due["vanished"]
+
+    def forget_worker(self, worker: str) -> None:
+        for key in [k for k in self._since if k[1] == worker]:
+            del self._since[key]

@@ -1,0 +1,209 @@
+"""The decode role on the worker runtime: receive KV, join it to the batch, stream tokens.
+
+The loop waits on the KV receiver (ZeroMQ) or on its command queue (Ray transport, whose actor
+calls arrive as the `KvHello` / `KvQuery` / `KvReceive` commands below). Both hand a committed
+import to `_imported` the same way: it joins the continuous batch with `add_imported` only when
+its epoch is the one the coordinator reserved for that request; a stale or aborted import is
+freed at once, uncached. Each migrated sequence travels under the transfer id
+"<request id>/<choice index>" and runs as its own engine request with that id (its seed, index
+and output count keep sampling identical to a colocated run). Credits and admission:
+decode_worker.credits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from decode_worker.credits import Credits
+from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Tokens
+from protocol.sampling import SamplingParams
+from runtime.actor import QUEUE, WorkerConfig
+from runtime.holdings import blocks_by_request
+from transfer.errors import TransferError
+
+log = logging.getLogger(__name__)
+MAX_EXPECTED = 100_000  # bound on remembered request registrations (aborts normally remove them)
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig(WorkerConfig):
+    transport: str = "zmq"       # how KV arrives: 'zmq' or 'ray'
+    # interface the ZeroMQ receiver binds (port picked freely; a non-loopback host binds this node's IP)
+    kv_host: str = "127.0.0.1"
+    reserve_ttl_s: float = 60.0  # a reservation whose imports have not all arrived by then is released
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("zmq", "ray"):
+            raise ValueError(f"transport must be 'zmq' or 'ray', got {self.transport!r}")
+
+
+@dataclass(frozen=True)
+class KvHello:
+    """Ray transport: a sender's handshake (msgpack bytes from RaySender)."""
+
+    connection: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class KvQuery:
+    """Ray transport: a dedupe query."""
+
+    connection: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class KvReceive:
+    """Ray transport: a manifest and its payload frames (zero-copy arrays from the object store)."""
+
+    connection: str
+    manifest: bytes
+    frames: tuple
+
+
+class DecodeHandler:
+    def __init__(self, config: DecodeWorkerConfig, engine):
+        from transfer.transport import TransportConfig, tcp_address
+
+        self.config, self.engine = config, engine
+        self.credits = Credits(engine.config.block_size, config.reserve_ttl_s)
+        self.expected: dict[str, tuple[int, set[str]]] = {}  # request id -> (epoch, transfer ids running)
+        self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
+        self.refused_imports = 0
+        self.last_snapshot: dict = engine.kv.usage()
+        transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name)
+        if config.transport == "zmq":
+            from transfer.zmq_transport import ZmqReceiver
+            self.receiver = ZmqReceiver(engine.kv, transport, admission=self.credits)
+            self.address = self.receiver.address
+        else:
+            from transfer.ray_transport import RayReceiverEndpoint
+            self.receiver = RayReceiverEndpoint(engine.kv, transport, admission=self.credits)
+            self.address = f"ray://{config.name}"
+
+    # ---- the calling thread -----------------------------------------------------------------------
+    def accept(self, cmd):
+        if isinstance(cmd, Reserve):
+            room = self.last_snapshot["free_blocks"] + self.last_snapshot["cached_blocks"]
+            granted = self.credits.reserve(cmd.request_id, cmd.epoch, cmd.num_tokens, cmd.n, cmd.sender, room)
+            if granted:
+                self.expected[cmd.request_id] = (cmd.epoch, set())  # NOTE: before any import can arrive
+                while len(self.expected) > MAX_EXPECTED:
+                    self.expected.pop(next(iter(self.expected)))
+            return Reply(granted=granted)
+        if isinstance(cmd, Abort):
+            self.credits.release(cmd.request_id)
+            return QUEUE
+        return Reply(error=f"a decode worker does not take {type(cmd).__name__}")
+
+    # ---- the loop thread --------------------------------------------------------------------------
+    def wait(self, loop, timeout: float, events: list) -> None:
+        if self.config.transport != "zmq":
+            loop.drain(events, timeout)
+            return
+        loop.drain(events)
+        try:
+            result = self.receiver.poll(timeout)
+            while result is not None:
+                loop.drain(events)  # an abort queued before this import committed
+                self._imported(result, events)
+                result = self.receiver.poll(self.config.busy_poll_s)
+        except TransferError as e:  # already nacked, counted and released by the receiver
+            log.warning("%s: import failed: %s", self.config.name, e)
+
+    def handle(self, cmd, events: list):
+        if isinstance(cmd, Abort):
+            self._abort(cmd.request_id)
+        elif isinstance(cmd, KvHello):
+            return self.receiver.kv_hello(cmd.connection, cmd.data)
+        elif isinstance(cmd, KvQuery):
+            return self.receiver.kv_query(cmd.connection, cmd.data)
+        elif isinstance(cmd, KvReceive):
+            reply, result = self.receiver.receive(cmd.connection, cmd.manifest, cmd.frames)
+            if result is not None:
+                self._imported(result, events)
+            return reply
+        return None
+
+    def _abort(self, rid: str) -> None:
+        _, running = self.expected.pop(rid, (0, set()))
+        for transfer_id in running:
+            self.sequences.pop(transfer_id, None)
+            self.engine.abort(transfer_id)
+
+    def _imported(self, result, events: list) -> None:
+        from engine.sequence import Sequence
+
+        rid, _, index = str(result.request_id).rpartition("/")
+        epoch, running = self.expected.get(rid, (None, None))
+        if epoch != result.epoch or not index.isdigit():
+            # stale, duplicate or aborted: nothing joins the batch, and no block of it stays cached
+            self.engine.kv.free(result.seq_id, uncache=True)
+            self.refused_imports += 1
+            events.append(ImportRefused(rid, result.epoch, epoch))
+            return
+        tokens, generated = list(result.state.token_ids), result.state.num_generated
+        seq = Sequence(int(index), tokens[:len(tokens) - generated], tokens[len(tokens) - generated:],
+                       seq_id=result.seq_id)
+        try:  # NOTE: before the sequence joins the batch: a bad field must never reach a step
+            params = SamplingParams.from_dict(result.state.sampling)
+            self.engine.validate_prompt(seq.prompt_ids, params)
+            vocab = self.engine.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in seq.output_ids):
+                raise ValueError(f"generated token ids outside the vocabulary [0, {vocab})")
+        except ValueError as e:  # RequestError is a ValueError
+            self.engine.kv.free(result.seq_id, uncache=True)
+            self.refused_imports += 1
+            events.append(RequestFailed(rid, result.epoch, "refused", f"import refused: {e}"))
+            return
+        self.engine.add_imported(result.request_id, seq.prompt_ids, params, [seq])
+        self.sequences[result.request_id] = (rid, seq)
+        running.add(result.request_id)
+        self.credits.consume(rid, result.epoch)
+        events.append(Imported(rid, int(index), result.epoch, len(result.table.blocks), result.nbytes,
+                               float(sum(result.timings.values()))))
+
+    def on_step(self, outputs, events: list) -> None:
+        for o in outputs:
+            entry = self.sequences.get(o.request_id)
+            if entry is None:
+                continue
+            rid, seq = entry
+            events.append(Tokens(rid, seq.index, len(seq.output_ids) - len(o.new_token_ids),
+                                 list(o.new_token_ids), (o.finish_reason or "stop") if o.finished else None))
+            if o.finished:
+                self.sequences.pop(o.request_id, None)
+                self.expected.get(rid, (0, set()))[1].discard(o.request_id)
+
+    def after_step(self, events: list) -> None:
+        self.credits.expire()
+        self.last_snapshot = self.engine.kv.usage()
+
+    # ---- reports ----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"refused_imports": self.refused_imports, "reserved_blocks": self.credits.reserved_blocks(),
+                "refused_reservations": self.credits.refused}
+
+    def holdings(self) -> dict[str, int]:
+        landing = self.receiver.in_flight() if self.config.transport == "zmq" else {}
+        return blocks_by_request(self.engine, self.engine.requests, _request_of, landing)
+
+    def close(self) -> None:
+        if hasattr(self.receiver, "close"):
+            self.receiver.close()
+
+
+def _request_of(transfer_id: str) -> str:
+    return transfer_id.rpartition("/")[0]
+
+
+def _bind_host(kv_host: str) -> str:
+    """Loopback stays loopback (one machine); otherwise bind this node's own IP, since a decode
+    worker may run on another node than the coordinator whose address `kv_host` names."""
+    if kv_host in ("127.0.0.1", "localhost", "::1"):
+        return kv_host
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -1,0 +1,104 @@
+"""The Ray actor body every worker role shares: an engine, a role handler on a `WorkerLoop`, and
+one typed entry point.
+
+The coordinator talks to a worker through `command(bytes) -> bytes`: a `protocol.messages`
+command in, a reply out, both `protocol.codec` msgpack (no pickled objects cross). The role
+handler's `accept(command)` runs first, on the calling thread, and either answers at once
+(validation errors, credit checks against the last snapshot) or says where the command goes:
+`QUEUE` (to the loop, answered with an empty `Reply` now) or `CALL` (to the loop, whose answer
+is returned). Reports go to the coordinator over a `PushQueue`. Role actors subclass this with
+their config class and handler (prefill_worker, decode_worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.codec import ProtocolError, decode, encode
+from protocol.messages import Describe, InjectFault, Reply, WorkerInfo, WorkerReport
+from protocol.queues import PushQueue
+from runtime.loop import LoopConfig, WorkerLoop
+
+QUEUE = "queue"  # accept(): run it on the loop, reply at once
+CALL = "call"    # accept(): run it on the loop, reply with its answer
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str                    # the worker's id (also its Ray actor name)
+    events_address: str          # the coordinator's PULL socket its reports go to
+    engine: dict = field(default_factory=dict)  # engine keyword arguments (the actor sets the role)
+    heartbeat_s: float = 0.2     # the loop settings: see runtime.loop.LoopConfig
+    idle_poll_s: float = 0.02
+    busy_poll_s: float = 0.001
+    call_timeout_s: float = 30.0
+
+
+class WorkerActor:
+    """Subclasses set `role`, `config_class` and implement `make_handler(config, engine)`."""
+
+    role = ""
+    config_class = WorkerConfig
+
+    def __init__(self, config: dict):
+        import torch
+
+        from engine.engine import EngineConfig, LLMEngine
+
+        torch.set_num_threads(1)
+        self.config = self.config_class(**config)
+        self.engine = LLMEngine(EngineConfig(**{**(self.config.engine or {}), "role": self.role}))
+        self.handler = self.make_handler(self.config, self.engine)
+        self._events = PushQueue(self.config.events_address)  # used on the loop thread only
+        c = self.config
+        loop_config = LoopConfig(c.name, c.heartbeat_s, c.idle_poll_s, c.busy_poll_s, c.call_timeout_s)
+        self.loop = WorkerLoop(loop_config, self.handler, self._emit)
+
+    def make_handler(self, config, engine):
+        raise NotImplementedError
+
+    # ---- actor methods ----------------------------------------------------------------------------
+    def command(self, data: bytes) -> bytes:
+        """One protocol command in, its reply out (both msgpack bytes)."""
+        try:
+            cmd = decode(data)
+        except ProtocolError as e:
+            return encode(Reply(error=f"bad command: {e}"))
+        return encode(self._answer(cmd))
+
+    def _answer(self, cmd):
+        if isinstance(cmd, Describe):
+            return self.describe()
+        if isinstance(cmd, InjectFault):
+            self.loop.hang()
+            return Reply()
+        route = self.handler.accept(cmd)
+        if route == QUEUE:
+            self.loop.send(cmd)
+            return Reply()
+        if route == CALL:
+            return self.loop.call(cmd)
+        return route
+
+    def describe(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(name=self.config.name, role=self.role, address=getattr(self.handler, "address", ""),
+                          fingerprint=e.storage.layout.fingerprint(), block_size=e.config.block_size,
+                          model=e.config.model, max_context=e.model_config.max_position_embeddings,
+                          vocab_size=e.model_config.vocab_size, bos_token_id=e.model_config.bos_token_id,
+                          eos_token_ids=list(e.model_config.eos_token_ids))
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def inject_fault(self, kind: str) -> None:
+        """Tests and the chaos benchmark: the same as the `InjectFault` command."""
+        self._answer(InjectFault(kind))
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+        self._events.close()
+
+    # ---- the loop thread ----------------------------------------------------------------------------
+    def _emit(self, events: list, stats: dict, holdings: dict) -> None:
+        self._events.put(WorkerReport(self.config.name, stats, holdings, events))

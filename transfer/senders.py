@@ -1,0 +1,63 @@
+"""A prefill worker's senders: one open connection per decode worker, over ZeroMQ or Ray.
+
+`get(name, address)` returns the sender for a decode worker, creating it (and its handshake on
+first use); `connect` performs the handshake now and returns an error message instead of
+raising; `forget_if_broken` drops a sender after a failure that may have broken its connection
+(a timeout, a lost handshake, anything not a typed nack), so the next migration reconnects.
+Use from one thread (the owner's loop).
+"""
+
+from __future__ import annotations
+
+from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
+from transfer.transport import TransportConfig
+
+
+class SenderPool:
+    def __init__(self, peer_name: str, transport: str, fingerprint: dict, namespace: str = "",
+                 transfer_timeout_s: float = 30.0):
+        if transport not in ("zmq", "ray"):
+            raise ValueError(f"transport must be 'zmq' or 'ray', got {transport!r}")
+        self.peer_name, self.transport, self.fingerprint = peer_name, transport, dict(fingerprint)
+        self.namespace, self.transfer_timeout_s = namespace, transfer_timeout_s
+        self._senders: dict[str, object] = {}
+
+    def get(self, name: str, address: str):
+        sender = self._senders.get(name)
+        if sender is None:
+            config = TransportConfig(address=address, peer_name=self.peer_name,
+                                     transfer_timeout_s=self.transfer_timeout_s,
+                                     connect_timeout_s=min(10.0, self.transfer_timeout_s),
+                                     checksum_mode="manifest" if self.transport == "ray" else "inline")
+            if self.transport == "ray":
+                import ray
+
+                from transfer.ray_transport import RaySender
+                sender = RaySender(self.fingerprint, ray.get_actor(name, namespace=self.namespace), config)
+            else:
+                from transfer.zmq_transport import ZmqSender
+                sender = ZmqSender(self.fingerprint, config)
+            self._senders[name] = sender
+        return sender
+
+    def connect(self, name: str, address: str) -> str | None:
+        """Handshake with a decode worker now; an error message, or None when compatible."""
+        try:
+            self.get(name, address).connect()
+        except TransferError as e:
+            self.drop(name)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def forget_if_broken(self, name: str, error: Exception) -> None:
+        if not isinstance(error, TransferError) or isinstance(error, (TransferTimeout, HandshakeRequired)):
+            self.drop(name)
+
+    def drop(self, name: str) -> None:
+        sender = self._senders.pop(name, None)
+        if sender is not None and hasattr(sender, "close"):
+            sender.close()
+
+    def close(self) -> None:
+        for name in list(self._senders):
+            self.drop(name)
