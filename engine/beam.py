@@ -6,7 +6,8 @@ the parent's sequence, further survivors fork it (sharing every block, +1 ref ea
 parent with no survivor is pruned, releasing its blocks so the shared prefix's count drops.
 A continuation ending in a stop token becomes a finished hypothesis scored by
 sum(logprob) / length ** length_penalty; the request ends when k hypotheses are finished and
-no live beam can beat the worst of them, or at max_tokens.
+no live beam can still reach a better score than the worst of them (see `_best_reachable`), or
+at max_tokens.
 """
 
 from __future__ import annotations
@@ -77,12 +78,23 @@ def beam_step(req: Request, rows: dict[int, torch.Tensor], kv: KVCacheManager) -
         req.seqs = []
 
 
+def _best_reachable(beam: Sequence, max_tokens: int) -> float:
+    """The highest length-normalised score the live beam can still reach. Log-probabilities are
+    <= 0, so its summed score can only fall, while the length that divides it can grow to
+    max_tokens: for a negative sum the normalised score *rises* with length, so the bound is the
+    sum over the longest reachable length (today's normalised score is not an upper bound)."""
+    if beam.cum_logprob >= 0:
+        return _norm(beam.cum_logprob, len(beam.output_ids))
+    return _norm(beam.cum_logprob, max(max_tokens, len(beam.output_ids)))
+
+
 def _done(req: Request) -> bool:
+    """True when k hypotheses are finished and no live beam can still beat the k-th best."""
     k = req.params.beam_width
     if len(req.finished_beams) < k:
         return False
     worst = sorted(_norm(h.cum_logprob, len(h.output_ids)) for h in req.finished_beams)[-k]
-    best_live = max(_norm(b.cum_logprob, len(b.output_ids)) for b in req.live_seqs)
+    best_live = max(_best_reachable(b, req.params.max_tokens) for b in req.live_seqs)
     return best_live <= worst
 
 

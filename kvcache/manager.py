@@ -238,11 +238,24 @@ class KVCacheManager:
     # ---- swap (the copies are in kvcache.swap) ------------------------------------------
     def swap_out(self, seq_id) -> bool:
         """Move the sequence's blocks to the host pool. False when the host pool is full."""
-        return swap.swap_out(self, seq_id)
+        return swap.swap_out(self, [seq_id])
 
     def swap_in(self, seq_id) -> bool:
         """Bring a swapped-out sequence back into the device pool. False on shortage."""
-        return swap.swap_in(self, seq_id)
+        return swap.swap_in(self, [seq_id])
+
+    def swap_out_group(self, seq_ids) -> bool:
+        """Swap out sequences that share blocks (one request's): shared blocks copied once and kept
+        shared on the host. False, and nothing changed, when the host pool is short."""
+        return swap.swap_out(self, list(seq_ids))
+
+    def swap_in_group(self, seq_ids) -> bool:
+        """Swap a group back in, sharing preserved. False, nothing changed, on shortage."""
+        return swap.swap_in(self, list(seq_ids))
+
+    def swap_in_blocks(self, seq_ids) -> int:
+        """Device blocks a swapped-out group needs to come back (shared blocks counted once)."""
+        return swap.blocks_needed(self, list(seq_ids))
 
     # ---- accounting ---------------------------------------------------------------------
     def usage(self) -> dict:

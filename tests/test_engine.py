@@ -195,11 +195,16 @@ def test_triton_backend_gives_the_same_greedy_tokens(loaded, llama_dir):
     from engine.attention import get_backend
     from engine.loader import load_model
 
-    tri = load_model(llama_dir, device="cpu", dtype=None, backend=get_backend("triton"))
+    # Compiled Triton kernels need CUDA tensors: on a GPU host both sides run there (float32).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        loaded = load_model(llama_dir, device=device, dtype="float32", backend=get_backend("torch"))
+    tri = load_model(llama_dir, device=device, dtype="float32", backend=get_backend("triton"))
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = _prompts()[:3]
-    a = _engine(loaded, block_size=16, num_blocks=64).generate(prompts, params)
-    b = _engine(tri, block_size=16, num_blocks=64, attention_backend="triton").generate(prompts, params)
+    a = _engine(loaded, block_size=16, num_blocks=64, device=device).generate(prompts, params)
+    triton_engine = _engine(tri, block_size=16, num_blocks=64, attention_backend="triton", device=device)
+    b = triton_engine.generate(prompts, params)
     assert [c.choices for c in a] == [c.choices for c in b]
 
 

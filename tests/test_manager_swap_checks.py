@@ -189,3 +189,40 @@ def test_check_integrity_catches_table_corruption(corrupt):
     corrupt(m)
     with pytest.raises(IntegrityError):
         m.check_integrity()
+
+
+def test_group_swap_copies_shared_blocks_once_and_keeps_them_shared():
+    """Two forks sharing two full blocks swap as one request: 2 shared + 2 private blocks leave the
+    device (4 host blocks, not 6), come back shared, with every byte intact."""
+    m = make_manager(8, 2, host_blocks=4)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    write_kv(m, "a", 0, 5, tag=10.0)
+    m.mark_computed("a", 5)
+    m.fork("a", "b")
+    m.append("b", [6])  # the shared partial tail is copied on write: b gets its own third block
+    write_kv(m, "b", 4, 6, tag=50.0)
+    kv = {seq: read_kv(m, seq, n) for seq, n in (("a", 5), ("b", 6))}
+    assert m.table("a").blocks[:2] == m.table("b").blocks[:2]
+    assert m.swap_out_group(["a", "b"])
+    assert m.host_allocator.num_available == 0  # 4 distinct blocks, shared ones once
+    host_a, host_b = m.table("a").blocks, m.table("b").blocks
+    assert host_a[:2] == host_b[:2] and m.host_allocator.ref_count(host_a[0]) == 2
+    assert m.allocator.num_used == 0
+    m.check_integrity()
+    assert m.swap_in_blocks(["a", "b"]) == 4
+    assert m.swap_in_group(["a", "b"])
+    assert m.table("a").blocks[:2] == m.table("b").blocks[:2]
+    assert m.allocator.ref_count(m.table("a").blocks[0]) == 2 and m.allocator.num_used == 4
+    assert all(torch.equal(read_kv(m, seq, n), kv[seq]) for seq, n in (("a", 5), ("b", 6)))
+    assert m.host_allocator.num_available == 4
+    m.check_integrity()
+
+
+def test_group_swap_out_short_of_host_blocks_changes_nothing():
+    m = make_manager(8, 2, host_blocks=3)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    m.fork("a", "b")
+    m.append("b", [6])
+    snap = snapshot(m)
+    assert m.swap_out_group(["a", "b"]) is False  # 4 distinct blocks, 3 host blocks
+    assert same_state(snapshot(m), snap) and m.host_allocator.num_available == 3
