@@ -250,7 +250,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             largest = token_bytes * (max(cfg.tokens) + max(cfg.block_sizes))
             store = int(min(max(4 * largest, 256 << 20), 8 << 30))
             log(f"starting Ray (object store {store >> 20} MiB) ...")
-            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=store, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=store,
+                     log_to_driver=False)
             ray_started = True
         for shape_name, (L, H, D, dtype) in shapes:
             for B in cfg.block_sizes:

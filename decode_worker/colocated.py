@@ -8,7 +8,7 @@ worker that also prefills. `ColocatedHandler` runs on the worker runtime in a Ra
 from __future__ import annotations
 
 from protocol.messages import Abort, Reply, RequestFailed, Submit, Tokens
-from runtime.actor import QUEUE, WorkerActor, WorkerConfig
+from runtime.actor import QUEUE, WorkerActor, WorkerConfig, refuse_submit
 from runtime.holdings import blocks_by_request
 
 
@@ -19,14 +19,8 @@ class ColocatedHandler:
 
     def accept(self, cmd):
         """Validate a Submit on the calling thread (read-only); aborts go to the loop."""
-        from engine.engine import RequestError
-
         if isinstance(cmd, Submit):
-            try:
-                self.engine.validate_prompt(list(cmd.prompt_ids), cmd.params)
-            except (RequestError, ValueError, TypeError) as e:
-                return Reply(error=str(e))
-            return QUEUE
+            return refuse_submit(self.engine, cmd) or QUEUE
         if isinstance(cmd, Abort):
             return QUEUE
         return Reply(error=f"a colocated worker does not take {type(cmd).__name__}")

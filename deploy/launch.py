@@ -37,8 +37,9 @@ def start_ray(config: RayConfig = RayConfig()) -> bool:
         return False
     if config.address:
         ray.init(address=config.address, log_to_driver=config.log_to_driver)
-    else:
-        ray.init(num_cpus=config.num_cpus, include_dashboard=False, log_to_driver=config.log_to_driver)
+    else:  # NOTE: address="local" starts a new instance, never joins another (or a dead) session
+        ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
+                 log_to_driver=config.log_to_driver)
     return True
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
-from runtime.actor import CALL, QUEUE, WorkerConfig
+from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
 from transfer.errors import TransferError
 from transfer.lease import LeaseTable
 from transfer.messages import DecodeState
@@ -66,13 +66,10 @@ class PrefillHandler:
     # ---- the calling thread -----------------------------------------------------------------------
     def accept(self, cmd):
         """Validate a Submit here (read-only); everything else runs on the loop."""
-        from engine.engine import RequestError
-
         if isinstance(cmd, Submit):
-            try:
-                self.engine.validate_prompt(list(cmd.prompt_ids), cmd.params)
-            except (RequestError, ValueError, TypeError) as e:
-                return Reply(error=str(e))
+            refusal = refuse_submit(self.engine, cmd)
+            if refusal is not None:
+                return refusal
             if cmd.generated and cmd.params.n != 1:
                 return Reply(error="only single-choice requests can resume after a decode worker is lost")
             return QUEUE

@@ -34,6 +34,18 @@ class WorkerConfig:
     call_timeout_s: float = 30.0
 
 
+def refuse_submit(engine, cmd) -> Reply | None:
+    """A Reply naming why the engine cannot run this Submit (checked read-only, on the caller's
+    thread), or None when it can."""
+    from engine.engine import RequestError
+
+    try:
+        engine.validate_prompt(list(cmd.prompt_ids), cmd.params)
+    except (RequestError, ValueError, TypeError) as e:
+        return Reply(error=str(e))
+    return None
+
+
 class WorkerActor:
     """Subclasses set `role`, `config_class` and implement `make_handler(config, engine)`."""
 

@@ -37,6 +37,20 @@ def stream(port: int, body: dict) -> dict[int, list[int]]:
     raise AssertionError("stream ended without [DONE]")
 
 
+def stream_killing(port: int, body: dict, kill) -> list[str]:
+    """Stream a completion and call kill() on its first data chunk; returns every `data:` payload
+    (the stream must still end, with an error chunk, then [DONE])."""
+    lines: list[str] = []
+    with post(port, {**body, "stream": True}) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: {") and not lines:
+                kill()
+            if line.startswith("data: "):
+                lines.append(line[6:])
+    return lines
+
+
 def get(port: int, path: str) -> bytes:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
         return r.read()

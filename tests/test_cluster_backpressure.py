@@ -117,17 +117,20 @@ def test_reserve_admits_by_free_blocks_and_releases_on_abort(cluster):
 def test_unconsumed_credit_expires_after_its_ttl():
     """A reservation whose migration never comes (a prefill that was lost) is released after
     reserve_ttl_s, so credits never leak. The worker body runs in-process here (no actor)."""
-    import zmq
+    from worker_harness import in_process
 
     from decode_worker.worker import DecodeWorker
 
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    w = DecodeWorker({"name": "decode-ttl", "events_address": f"tcp://127.0.0.1:{port}",
-                      "engine": {"num_blocks": 8}, "reserve_ttl_s": 2.0})
+    with in_process(DecodeWorker, {"name": "decode-ttl", "engine": {"num_blocks": 8},
+                                   "reserve_ttl_s": 2.0}) as (w, _):
+        _ttl_checks(w)
 
+
+def _reserve_in_process(w, rid: str, epoch: int, tokens: int, n: int, sender: str = "") -> bool:
+    return decode(w.command(encode(Reserve(rid, epoch, tokens, n, sender)))).granted
+
+
+def _ttl_checks(w) -> None:
     def wait_reserved(n: int) -> int:  # the loop's stats snapshot, polled (bounded)
         deadline = time.monotonic() + 10
         while w.stats()["reserved_blocks"] != n and time.monotonic() < deadline:
@@ -135,56 +138,46 @@ def test_unconsumed_credit_expires_after_its_ttl():
         return w.stats()["reserved_blocks"]
 
     def reserve(rid, epoch, tokens, n, sender=""):
-        return decode(w.command(encode(Reserve(rid, epoch, tokens, n, sender)))).granted
+        return _reserve_in_process(w, rid, epoch, tokens, n, sender)
 
-    try:
-        assert reserve("a", 1, 41, 1) and reserve("b", 1, 41, 1)
-        assert not reserve("c", 1, 41, 1)
-        assert w.handler.credits.refused == 1  # (the stats snapshot shows it one iteration later)
-        assert wait_reserved(8) == 8
-        assert wait_reserved(0) == 0  # expired: nothing was imported for them
-        assert reserve("c", 1, 41, 1)
-    finally:
-        w.shutdown()
-        pull.close(0)
-        ctx.term()
+    assert reserve("a", 1, 41, 1) and reserve("b", 1, 41, 1)
+    assert not reserve("c", 1, 41, 1)
+    assert w.handler.credits.refused == 1  # (the stats snapshot shows it one iteration later)
+    assert wait_reserved(8) == 8
+    assert wait_reserved(0) == 0  # expired: nothing was imported for them
+    assert reserve("c", 1, 41, 1)
 
 
 def test_reservation_is_the_receivers_admission():
     """Only a live reservation's (request, epoch, sender) may send KV or ask what is cached; a
     sequence index beyond its n, an abort or an expired credit closes it (in-process worker)."""
-    import zmq
+    from worker_harness import in_process
 
     from decode_worker.worker import DecodeWorker
 
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    w = DecodeWorker({"name": "decode-adm", "events_address": f"tcp://127.0.0.1:{port}",
-                      "engine": {"num_blocks": 32}, "reserve_ttl_s": 1.0})
+    with in_process(DecodeWorker, {"name": "decode-adm", "engine": {"num_blocks": 32},
+                                   "reserve_ttl_s": 1.0}) as (w, _):
+        _admission_checks(w)
+
+
+def _admission_checks(w) -> None:
     credits = w.handler.credits
 
     def reserve(rid, epoch, tokens, n, sender=""):
-        return decode(w.command(encode(Reserve(rid, epoch, tokens, n, sender)))).granted
+        return _reserve_in_process(w, rid, epoch, tokens, n, sender)
 
-    try:
-        assert not credits.admit_transfer("r/0", 3, "prefill-0")
-        assert not credits.admit_query("r/0", "prefill-0")
-        assert reserve("r", 3, 20, 2, "prefill-0")
-        assert credits.admit_transfer("r/0", 3, "prefill-0") and credits.admit_transfer("r/1", 3, "prefill-0")
-        assert credits.admit_query("r/1", "prefill-0")
-        assert not credits.admit_transfer("r/2", 3, "prefill-0")      # only n = 2 sequences
-        assert not credits.admit_transfer("r/0", 2, "prefill-0")      # another epoch
-        assert not credits.admit_transfer("r/0", 3, "prefill-1")      # another sender
-        assert not credits.admit_query("r/0", "prefill-1") and not credits.admit_query("q/0", "prefill-0")
-        assert not credits.admit_transfer("r", 3, "prefill-0")        # not a transfer id
-        w.command(encode(Abort("r")))
-        assert not credits.admit_transfer("r/0", 3, "prefill-0")
-        assert reserve("s", 1, 20, 1, "prefill-0")
-        time.sleep(1.2)
-        assert not credits.admit_transfer("s/0", 1, "prefill-0")      # expired credit
-    finally:
-        w.shutdown()
-        pull.close(0)
-        ctx.term()
+    assert not credits.admit_transfer("r/0", 3, "prefill-0")
+    assert not credits.admit_query("r/0", "prefill-0")
+    assert reserve("r", 3, 20, 2, "prefill-0")
+    assert credits.admit_transfer("r/0", 3, "prefill-0") and credits.admit_transfer("r/1", 3, "prefill-0")
+    assert credits.admit_query("r/1", "prefill-0")
+    assert not credits.admit_transfer("r/2", 3, "prefill-0")      # only n = 2 sequences
+    assert not credits.admit_transfer("r/0", 2, "prefill-0")      # another epoch
+    assert not credits.admit_transfer("r/0", 3, "prefill-1")      # another sender
+    assert not credits.admit_query("r/0", "prefill-1") and not credits.admit_query("q/0", "prefill-0")
+    assert not credits.admit_transfer("r", 3, "prefill-0")        # not a transfer id
+    w.command(encode(Abort("r")))
+    assert not credits.admit_transfer("r/0", 3, "prefill-0")
+    assert reserve("s", 1, 20, 1, "prefill-0")
+    time.sleep(1.2)
+    assert not credits.admit_transfer("s/0", 1, "prefill-0")      # expired credit

@@ -113,16 +113,9 @@ def test_dead_colocated_worker_fails_its_stream_and_new_requests_get_503(ray_loc
     srv = ClusterServer(ClusterConfig(colocated=1, num_blocks=128, heartbeat_timeout_s=3.0))
     try:
         port = srv.start()
-        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        lines: list[str] = []
-        with cc.post(port, body) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if line.startswith("data: {") and not lines:
-                    ray.kill(srv.backend.workers["colocated-0"].handle, no_restart=True)
-                if line.startswith("data: "):
-                    lines.append(line[6:])
+        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        lines = cc.stream_killing(port, body, lambda: ray.kill(srv.backend.workers["colocated-0"].handle,
+                                                               no_restart=True))
         assert lines[-1] == "[DONE]"
         err = json.loads(lines[-2])
         assert "colocated worker colocated-0 stopped responding" in err["error"]["message"]

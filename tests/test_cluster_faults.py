@@ -37,16 +37,9 @@ def test_dead_decode_worker_fails_its_stream_and_new_requests_get_503(ray_local)
     try:
         port = srv.start()
         assert len(cc.complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})["choices"][0]["token_ids"]) == 3
-        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        lines: list[str] = []
-        with cc.post(port, body) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if line.startswith("data: {") and not lines:
-                    ray.kill(srv.backend.workers["decode-0"].handle, no_restart=True)
-                if line.startswith("data: "):
-                    lines.append(line[6:])
+        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        lines = cc.stream_killing(port, body, lambda: ray.kill(srv.backend.workers["decode-0"].handle,
+                                                               no_restart=True))
         assert lines[-1] == "[DONE]"
         err = json.loads(lines[-2])
         assert "error" in err and "decode-0" in err["error"]["message"]

@@ -20,7 +20,8 @@ SHAPE = (2, 2, 8)  # layers, KV heads, head dim
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
+             log_to_driver=False)
     try:
         yield
     finally:
