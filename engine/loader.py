@@ -1,5 +1,7 @@
-"""Build a model from a spec: "tiny" (weights drawn from a fixed seed) or a Hugging Face
-checkpoint directory (config.json + *.safetensors, sharded model.safetensors.index.json too).
+"""Build a model from a spec: "tiny" (weights drawn from a fixed seed), a Hugging Face
+checkpoint directory (config.json + *.safetensors, sharded model.safetensors.index.json too), or
+a Llama-family GGUF file: a path ending in .gguf, or a shipped name such as "smollm2" (engine.gguf
+dequantizes it to float32 tensors under Hugging Face names, which load through the same path).
 
 `load_model(spec, device, dtype, backend) -> (model, config, tokenizer)`. The model runs in
 float32 on CPU and bfloat16 on CUDA unless a dtype is given. Checkpoint tensors are read one at
@@ -14,13 +16,15 @@ import dataclasses
 import glob
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from engine.attention import AttentionBackend, get_backend
 from engine.config import ModelConfig
+from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
 from engine.model import LlamaModel
-from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from engine.tokenizer import ByteTokenizer, HFTokenizer, gguf_tokenizer, load_tokenizer
 from kvcache.storage import dtype_from_name, dtype_name
 
 TINY_SEED = 1234
@@ -54,18 +58,33 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         model = LlamaModel(config, backend)
         _init_tiny(model, TINY_SEED)
         model.to(device=device, dtype=run_dtype)
-        directory = None
+        tokenizer = load_tokenizer(None, config)
+    elif is_gguf_spec(spec):
+        gguf_file = GGUFFile(resolve_model_spec(spec))
+        config = ModelConfig.from_hf_config(gguf_file.hf_config())
+        model = _empty_model(config, backend, device, run_dtype)
+        load_weights(model, ((name, torch.from_numpy(array)) for name, array in gguf_file.tensors()),
+                     label=os.path.basename(gguf_file.path))
+        tokenizer = gguf_tokenizer(gguf_file, config)
     else:
         directory = spec
         config = read_config(directory)
-        with torch.device("meta"):
-            model = LlamaModel(config, backend)
-        model.to(dtype=run_dtype)  # still on meta: no memory touched yet
-        model.to_empty(device=device)  # allocate once, in the run dtype, on the target device
+        model = _empty_model(config, backend, device, run_dtype)
         load_weights(model, directory)
+        tokenizer = load_tokenizer(directory, config)
     model.eval().requires_grad_(False)
     config = dataclasses.replace(config, dtype=dtype_name(run_dtype))
-    return model, config, load_tokenizer(directory, config)
+    return model, config, tokenizer
+
+
+def _empty_model(config: ModelConfig, backend: AttentionBackend, device: torch.device,
+                 run_dtype: torch.dtype) -> LlamaModel:
+    """The model with uninitialised parameters, allocated once in the run dtype on `device`."""
+    with torch.device("meta"):
+        model = LlamaModel(config, backend)
+    model.to(dtype=run_dtype)  # still on meta: no memory touched yet
+    model.to_empty(device=device)  # allocate once, in the run dtype, on the target device
+    return model
 
 
 def read_config(directory: str) -> ModelConfig:
@@ -129,33 +148,49 @@ def _param_name(key: str, tied: bool) -> str | None:
     return key[len("model."):] if key.startswith("model.") else key
 
 
-def load_weights(model: LlamaModel, directory: str) -> None:
-    """Copy every checkpoint tensor into its parameter (converting dtype/device)."""
+def _safetensors_tensors(directory: str) -> Iterator[tuple[str, Callable[[], torch.Tensor], str]]:
+    """(key, tensor reader, file name) for every tensor of a safetensors checkpoint; a tensor is
+    read only when its reader is called."""
     from safetensors import safe_open
 
+    for path in checkpoint_files(directory):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, (lambda f=f, key=key: f.get_tensor(key)), os.path.basename(path)
+
+
+def load_weights(model: LlamaModel, source: str | Iterable[tuple[str, torch.Tensor]],
+                 label: str | None = None) -> None:
+    """Copy every checkpoint tensor into its parameter (converting dtype/device).
+
+    source: a checkpoint directory (safetensors), or (Hugging Face name, tensor) pairs such as a
+    GGUF file's (engine.gguf); label: what errors call a pair source (default 'tensors').
+    """
+    if isinstance(source, str):
+        tensors, label = _safetensors_tensors(source), source
+    else:
+        label = label or "tensors"
+        tensors = ((key, (lambda t=t: t), label) for key, t in source)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for path in checkpoint_files(directory):
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = _param_name(key, model.config.tie_word_embeddings)
-                    if name is None:
-                        continue
-                    if name not in params:
-                        unexpected.append(key)
-                        continue
-                    tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise CheckpointError(f"{key} in {os.path.basename(path)} has shape "
-                                              f"{tuple(tensor.shape)}, the model expects "
-                                              f"{tuple(params[name].shape)}")
-                    params[name].copy_(tensor)
-                    loaded.add(name)
+        for key, read, where in tensors:
+            name = _param_name(key, model.config.tie_word_embeddings)
+            if name is None:
+                continue
+            if name not in params:
+                unexpected.append(key)
+                continue
+            tensor = read()
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"{key} in {where} has shape {tuple(tensor.shape)}, "
+                                      f"the model expects {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
     missing = sorted(n if n == "lm_head.weight" else f"model.{n}" for n in set(params) - loaded)
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {directory} does not match {model.config.architecture}: "
+        raise CheckpointError(f"checkpoint {label} does not match {model.config.architecture}: "
                               f"missing {_few(missing)}; unexpected {_few(unexpected)}")
 
 
