@@ -1,9 +1,11 @@
 """Attention backend selection: `torch` (reference) or `triton` (paged kernels).
 
-Both expose the same two functions, `store_kv(key, value, k_cache, v_cache, slot_mapping)` and
-`paged_attention(q, k_cache, v_cache, meta, scale)`. Auto-selection takes Triton on CUDA and the
-torch reference on CPU; PDSERVE_ATTENTION=torch|triton (or the engine's `attention_backend`
-config field) forces one. A forced Triton backend on CPU needs TRITON_INTERPRET=1.
+Both expose the same two kernels, `store_kv(key, value, k_cache, v_cache, slot_mapping)` and
+`paged_attention(q, k_cache, v_cache, meta, scale)`, and the model calls `forward(q, key, value,
+k_cache, v_cache, meta, scale)`, which stores then attends (the torch backend's own `forward`
+also skips reading back K/V a fresh prefill already holds). Auto-selection takes Triton on CUDA
+and torch on CPU; PDSERVE_ATTENTION=torch|triton (or the engine's `attention_backend` config
+field) forces one. A forced Triton backend on CPU needs TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ class AttentionBackend:
     name: str
     store_kv: Callable
     paged_attention: Callable
+    forward: Callable  # (q, key, value, k_cache, v_cache, meta, scale) -> (T, Hq, D)
+
+
+def _store_then_attend(store_kv: Callable, paged_attention: Callable) -> Callable:
+    def forward(q, key, value, k_cache, v_cache, meta, scale):
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+    return forward
 
 
 def get_backend(name: str | None = None, device: torch.device | str = "cpu") -> AttentionBackend:
@@ -33,4 +43,5 @@ def get_backend(name: str | None = None, device: torch.device | str = "cpu") -> 
         from engine import attn_triton as mod  # type: ignore[no-redef]
     else:
         raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")
-    return AttentionBackend(name, mod.store_kv, mod.paged_attention)
+    forward = getattr(mod, "forward", None) or _store_then_attend(mod.store_kv, mod.paged_attention)
+    return AttentionBackend(name, mod.store_kv, mod.paged_attention, forward)

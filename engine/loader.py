@@ -110,7 +110,7 @@ def _init_tiny(model: LlamaModel, seed: int) -> None:
     """Deterministic random weights: norms 1, embeddings N(0, 0.1), linears N(0, 1/fan_in), biases 0."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():  # registration order: fixed for a given config
+        for name, p in model.checkpoint_views().items():  # unfused registration order: fixed per config
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -140,7 +140,8 @@ def checkpoint_files(directory: str) -> list[str]:
 
 
 def _param_name(key: str, tied: bool) -> str | None:
-    """Our parameter name for a checkpoint key; None for keys deliberately skipped."""
+    """Our name for a checkpoint key (a key of `LlamaModel.checkpoint_views`: fused q/k/v and
+    gate/up weights are filled slice by slice as their parts arrive); None for keys skipped."""
     if key.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
         return None
     if key == "lm_head.weight":
@@ -171,7 +172,7 @@ def load_weights(model: LlamaModel, source: str | Iterable[tuple[str, torch.Tens
     else:
         label = label or "tensors"
         tensors = ((key, (lambda t=t: t), label) for key, t in source)
-    params = dict(model.named_parameters())
+    params = model.checkpoint_views()  # fused weights are built here, one row slice per tensor
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():

@@ -1,11 +1,14 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch over the paged KV cache.
 
 One `forward` runs a packed (varlen) batch: T new tokens of S sequences back to back, described
-by an AttentionMetadata. Each layer writes the new tokens' K/V into their slots of the KVStorage
-and attends through the block tables via the attention backend (torch reference or Triton).
-Numerics follow transformers' implementation (RMSNorm in float32, rotate-half RoPE, SwiGLU) so a
-checkpoint gives the same logits here as there. Parameter names mirror the HF checkpoint keys
-without the leading "model." (engine.loader maps them). Logits come out in float32.
+by an AttentionMetadata. Each layer projects q, k and v with one fused matmul, rotates q and k
+together from the step's cos/sin rows, and hands them to the attention backend, which writes
+the new K/V into their slots of the KVStorage and attends through the block tables. The MLP's
+gate and up projections are one fused matmul too. Numerics follow transformers' implementation
+(RMSNorm in float32, rotate-half RoPE, SwiGLU) so a checkpoint gives the same logits here as
+there. `checkpoint_views` names every parameter (fused ones as row slices) by its checkpoint key
+without the leading "model."; engine.loader copies checkpoint tensors into those views.
+Logits come out in float32.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # transformers: normalise in float32, round to the input dtype, then scale
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -48,36 +51,35 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
         self.backend = backend
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                                  bias=c.attention_bias)  # rows: q, then k, then v
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        self.backend.store_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
-        o = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # (T, Hq * D) -> (T, hidden)
+        Hq, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, Hq + 2 * Hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
+        qk = apply_rotary(qkv[:, :Hq + Hkv], cos, sin)  # (T, Hq + Hkv, D): q and k rotated at once
+        o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
+                                 self.scale)  # (T, Hq, D)
+        return self.o_proj(o.reshape(T, Hq * self.head_dim))  # (T, Hq * D) -> (T, hidden)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.intermediate_size = c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)  # gate, up
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # (T, 2 I)
+        gate = F.silu(gate_up[:, :self.intermediate_size])  # (T, I)
+        return self.down_proj(gate.mul_(gate_up[:, self.intermediate_size:]))
 
 
 class DecoderLayer(nn.Module):
@@ -113,6 +115,30 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its checkpoint key (without "model."), in the order an unfused
+        model registers them: fused q/k/v and gate/up appear as their row slices (views, so
+        copying into one fills the fused parameter)."""
+        c = self.config
+        parts = {"qkv_proj": (("q_proj", c.num_heads * c.head_dim), ("k_proj", c.num_kv_heads * c.head_dim),
+                              ("v_proj", c.num_kv_heads * c.head_dim)),
+                 "gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size))}
+        views: dict[str, torch.Tensor] = {}
+        for name, module in self.named_modules():
+            leaf = name.rpartition(".")[2]
+            if leaf in parts:
+                base, start = name.rpartition(".")[0], 0
+                for part, rows in parts[leaf]:
+                    for kind in ("weight", "bias"):
+                        param = getattr(module, kind)
+                        if param is not None:
+                            views[f"{base}.{part}.{kind}"] = param[start:start + rows]
+                    start += rows
+            else:
+                for kind, param in module.named_parameters(recurse=False):
+                    views[f"{name}.{kind}" if name else kind] = param
+        return views
+
     def _check(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage) -> None:
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be (T,), got {tuple(input_ids.shape)} "
@@ -130,7 +156,7 @@ class LlamaModel(nn.Module):
         model dtype. New K/V are written into `kv` at meta.slot_mapping."""
         self._check(input_ids, positions, kv)
         h = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary(positions)  # (T, D) float32 each
+        cos, sin = self.rotary.tables(positions, h.dtype, meta.max_seq_len - 1)  # (T, D) each
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer_view(i)  # (N, B, Hkv, D) each
             h = layer(h, cos, sin, k_cache, v_cache, meta)

@@ -1,8 +1,9 @@
 """Rotary position embeddings (RoPE) in the Hugging Face "rotate half" convention.
 
-`RotaryEmbedding(config)` holds the inverse frequencies; calling it with absolute positions (T,)
-gives cos/sin tables (T, head_dim) in float32, computed per step from the positions (so no table
-sized by the model's maximum context is kept). `apply_rotary` rotates queries or keys with them.
+`RotaryEmbedding(config)` holds the inverse frequencies and a cos/sin table per (device, dtype),
+grown by doubling to the largest position seen (never sized by the model's maximum context up
+front). `RotaryEmbedding.tables(positions, dtype)` looks a step's rows up once; `apply_rotary`
+rotates queries and keys together with them (one call per layer on the fused q/k view).
 Scaling variants: 'default', 'linear' (positions divided by `factor`) and Llama 3.1's 'llama3'
 (low frequencies divided by `factor`, a smooth blend in between). Others are refused by
 engine.config with a message naming the rope type.
@@ -41,36 +42,49 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Ten
 
 
 class RotaryEmbedding:
-    """cos/sin for absolute positions; shared by every layer of a model.
+    """cos/sin tables for absolute positions; shared by every layer of a model.
 
     A plain object, not a module buffer, on purpose: `model.to(bfloat16)` must not round the
-    inverse frequencies. They stay float32, one copy per device, made on first use.
+    inverse frequencies. They stay float32; the angles are computed in float32 and the tables
+    are cast to the model dtype once (transformers casts them per call to the same values).
     """
 
     def __init__(self, config: ModelConfig):
         self._inv_cpu = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling_dict)
-        self._inv: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) int -> cos, sin: (T, D) float32."""
-        inv = self._inv.get(positions.device)
-        if inv is None:
-            inv = self._inv[positions.device] = self._inv_cpu.to(positions.device)  # (D/2,) float32
-        freqs = positions.float()[:, None] * inv[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        return emb.cos(), emb.sin()
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype,
+               max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) int -> cos (T, D) and sign-folded sin (T, D) in `dtype`: the first half
+        of `sin` is negated, so rotate_half(x) * sin == swap_halves(x) * folded_sin exactly.
+        max_position: the largest position, when the caller knows it (saves a device sync)."""
+        key = (positions.device, dtype)
+        cos, sin = self._tables.get(key, (None, None))
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        need = max_position + 1
+        if cos is None or cos.shape[0] < need:
+            length = max(need, 256, 0 if cos is None else 2 * cos.shape[0])  # grow by doubling
+            cos, sin = self._tables[key] = self._build(length, positions.device, dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def _build(self, length: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._inv_cpu.to(device)  # (D/2,) float32
+        freqs = torch.arange(length, device=device).float()[:, None] * inv[None, :]  # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        half = inv.shape[0]
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D) in any dtype; cos/sin: (T, D) float32 -> (T, H, D) in x's dtype.
+    """x: (T, H, D); cos and sign-folded sin: (T, D) in x's dtype (from `tables`) -> (T, H, D).
 
-    As in transformers, the tables are cast to x's dtype before the multiply.
+    Equals transformers' x * cos + rotate_half(x) * sin, rounding included: the only
+    difference is where the minus sign sits, and negation is exact.
     """
-    cos = cos.to(x.dtype)[:, None, :]  # (T, 1, D)
-    sin = sin.to(x.dtype)[:, None, :]  # (T, 1, D)
-    return x * cos + _rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, H, D)
+    return x * cos[:, None, :] + swapped * sin[:, None, :]

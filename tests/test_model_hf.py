@@ -112,7 +112,7 @@ def test_tiny_model_is_deterministic_and_uses_bytes():
     m1, c1, tok1 = load_model("tiny", backend="torch")
     m2, c2, _ = load_model("tiny", backend="torch")
     assert c1 == c2 and c1.vocab_size == 512
-    p1, p2 = dict(m1.named_parameters()), dict(m2.named_parameters())
+    p1, p2 = m1.checkpoint_views(), m2.checkpoint_views()  # fused weights as their checkpoint slices
     assert p1.keys() == p2.keys() and all(torch.equal(p1[k], p2[k]) for k in p1)
     assert not torch.equal(p1["layers.0.self_attn.q_proj.weight"], p1["layers.1.self_attn.q_proj.weight"])
     assert isinstance(tok1, ByteTokenizer) and tok1.bos_token_id == 256 and tok1.eos_token_id == 257
