@@ -23,6 +23,7 @@ import uuid
 from coordinator.config import ClusterConfig
 from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
+from coordinator.lifecycle import LifecycleMixin
 from coordinator.metrics import Metrics, worker_metrics_text
 from coordinator.protocol import APIError, InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.reconcile import Reconciler
@@ -33,15 +34,14 @@ from coordinator.workers import (
     ROLES_DISAGGREGATED,
     RequestState,
     command,
-    spawn_workers,
     tell,
 )
-from protocol.messages import Abort, Connect, Describe, Reserve, Submit
+from protocol.messages import Abort, Reserve, Submit
 
 log = logging.getLogger(__name__)
 
 
-class ClusterBackend(FailoverMixin, ReportsMixin):
+class ClusterBackend(LifecycleMixin, FailoverMixin, ReportsMixin):
     """Prefill + decode actors behind the backend contract (see coordinator.backend)."""
 
     def __init__(self, config: ClusterConfig | None = None, metrics: Metrics | None = None):
@@ -65,78 +65,10 @@ class ClusterBackend(FailoverMixin, ReportsMixin):
         self.workers: dict = {}
         self._requests: dict[str, RequestState] = {}
         self._lost: set[str] = set()
+        self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
+        self._joining: dict = {}                     # replacement workers not yet handshaken
         self._tasks: set[asyncio.Task] = set()
         self._reader = self._monitor_task = self._pull = None
-
-    # ---- lifecycle ------------------------------------------------------------------------------
-    async def start(self) -> ClusterBackend:
-        from engine.tokenizer import load_tokenizer
-        from protocol.queues import PullQueue
-
-        c = self.config
-        self._pull = PullQueue(f"tcp://{c.host}:0", create=True)
-        self._reader = asyncio.create_task(self._read_reports())
-        self.workers.update(spawn_workers(c, self._pull.address, self.namespace))
-        try:
-            infos = await asyncio.wait_for(asyncio.gather(
-                *(command(worker, Describe(), c.start_timeout_s) for worker in self.workers.values())),
-                c.start_timeout_s)
-        except asyncio.TimeoutError:
-            await self.aclose()
-            raise RuntimeError(f"workers did not start within {c.start_timeout_s}s") from None
-        except Exception as e:
-            await self.aclose()
-            raise RuntimeError(f"a worker failed to start: {e}") from None
-        for info in infos:
-            worker = self.workers[info.name]
-            worker.address, worker.block_size, worker.model = info.address, info.block_size, info.model
-            worker.last_seen = time.monotonic()
-        first = infos[0]  # every worker serves the same model (the handshake below enforces it)
-        self.max_context, self.vocab_size = first.max_context, first.vocab_size
-        self.tokenizer = load_tokenizer(None if c.model == "tiny" else c.model, first)
-        if not self.colocated:
-            await self._check_pairs()
-        deadline = time.monotonic() + c.start_timeout_s
-        while any(not worker.stats for worker in self.workers.values()):  # a first report from each
-            if time.monotonic() > deadline:
-                await self.aclose()
-                raise RuntimeError(f"workers sent no report within {c.start_timeout_s}s")
-            await asyncio.sleep(0.02)
-        self._monitor_task = asyncio.create_task(self._monitor())
-        return self
-
-    async def _check_pairs(self) -> None:
-        """Every prefill worker handshakes with every decode worker now: incompatible -> refuse."""
-        for p in self._role("prefill"):
-            for d in self._role("decode"):
-                reply = await command(p, Connect(d.name, d.address), self.config.start_timeout_s)
-                if reply.error:
-                    await self.aclose()
-                    raise RuntimeError(f"{p.name} (model {p.model}, block size {p.block_size}) cannot hand "
-                                       f"KV to {d.name} (model {d.model}, block size {d.block_size}): "
-                                       f"{reply.error}")
-
-    async def aclose(self) -> None:
-        import ray
-
-        from coordinator.workers import call
-
-        for worker in self.workers.values():
-            try:
-                await call(worker.handle.shutdown.remote(), self.config.call_timeout_s)
-            except Exception:  # dead or stuck: killing it below frees it anyway
-                pass
-            ray.kill(worker.handle, no_restart=True)
-        self.workers.clear()
-        for task in (self._reader, self._monitor_task, *self._tasks):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if self._pull is not None:
-            self._pull.close()
-            self._pull = None
-        for request in self._requests.values():
-            request.q.put_nowait(ServiceUnavailable("server shutting down"))
 
     # ---- the contract ---------------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -162,7 +94,7 @@ class ClusterBackend(FailoverMixin, ReportsMixin):
     def info(self) -> dict:
         timeout = self.config.heartbeat_timeout_s
         workers = [{"name": worker.name, "role": worker.role, "address": worker.address,
-                    "block_size": worker.block_size, "alive": worker.alive(timeout),
+                    "block_size": worker.block_size, "alive": worker.alive(timeout), **worker.info,
                     **{k: v for k, v in worker.stats.items() if k not in ("name", "role")}}
                    for worker in self.workers.values()]
         return {"mode": "colocated" if self.colocated else "cluster", "model": self.name,

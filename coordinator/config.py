@@ -35,3 +35,7 @@ class ClusterConfig:
     decode_num_blocks: int = 0        # decode workers' pool size (0: num_blocks)
     reserve_wait_s: float = 30.0      # longest wait for decode room before 503 "decode workers full"
     decode_model: str = ""            # decode workers' model ('': model); another model is refused
+    gpus_per_worker: float = 1.0      # GPUs each worker asks Ray for when its engine device is cuda
+    restart_backoff_s: float = 1.0    # a dead worker is replaced after this, doubled per recent restart
+    max_restarts: int = 3             # replacements per slot within restart_window_s; beyond, it stays dead
+    restart_window_s: float = 300.0

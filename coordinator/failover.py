@@ -15,7 +15,7 @@
   nothing is done at once, since the prefill worker's migration to it times out (its transfer
   timeout is below the heartbeat timeout) and reports held blocks, which are then re-sent;
 - colocated workers: their requests fail with 503 at once.
-Every wait is bounded.
+Every lost worker is then replaced (coordinator.lifecycle). Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class FailoverMixin:
                 self.routers[worker.role].forget(worker.name)
                 for request in list(self._requests.values()):
                     self._on_lost(worker, request)
+                self._spawn(self._replace(worker))  # coordinator.lifecycle: backoff, then a new worker
 
     def _on_lost(self, worker, request) -> None:
         if worker.role == "colocated":

@@ -2,7 +2,7 @@
 
 `Metrics` holds what the HTTP layer observes per request (TTFT, TPOT, end-to-end latency,
 requests by status, errors by kind, queue depth, tokens) plus hooks the cluster backend calls
-as things happen (`observe_migration`, `count_backpressure`, `count_retry`,
+as things happen (`observe_migration`, `count_backpressure`, `count_retry`, `count_restart`,
 `count_discrepancy`). Point-in-time
 worker state (pool blocks, tail-slot waste, queue depth, cumulative preemptions) is rendered
 at scrape time from the backend's worker dicts by `worker_metrics_text`, so counts kept by
@@ -60,6 +60,8 @@ class Metrics:
                                     registry=r)
         self.retries = Counter("pdserve_retries", "Requests resumed after a worker failure, by phase",
                                ["phase"], registry=r)
+        self.restarts = Counter("pdserve_worker_restarts", "Dead workers replaced, by role", ["role"],
+                                registry=r)
 
     # ---- request lifecycle (the HTTP layer) ---------------------------------------------
     def request_admitted(self, prompt_tokens: int) -> None:
@@ -102,6 +104,9 @@ class Metrics:
 
     def count_discrepancy(self, kind: str) -> None:
         self.discrepancies.labels(kind=kind).inc()
+
+    def count_restart(self, role: str) -> None:
+        self.restarts.labels(role=role).inc()
 
     def count_retry(self, phase: str) -> None:
         self.retries.labels(phase=phase).inc()

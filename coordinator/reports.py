@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class ReportsMixin:
-    """Needs from the host class: config, workers, ledger, reconciler, metrics, _requests, _pull,
+    """Needs from the host class: config, workers, ledger, reconciler, metrics, _requests, _joining, _pull,
     _drop, _spawn, _resend, _resume (see coordinator.cluster and coordinator.failover)."""
 
     async def _read_reports(self) -> None:
@@ -50,6 +50,9 @@ class ReportsMixin:
     def _on_report(self, report: WorkerReport) -> None:
         worker = self.workers.get(report.worker)
         if worker is None:
+            joining = self._joining.get(report.worker)  # a replacement still handshaking: stats only
+            if joining is not None:
+                joining.stats, joining.last_seen = dict(report.stats), time.monotonic()
             return
         worker.stats, worker.holdings = dict(report.stats), dict(report.holdings)
         worker.last_seen = time.monotonic()

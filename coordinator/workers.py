@@ -31,6 +31,9 @@ class WorkerState:
     model: str = ""
     stats: dict = field(default_factory=dict)
     holdings: dict = field(default_factory=dict)   # request id -> blocks, from its last report
+    slot: str = ""                                 # the place it fills ("decode-0"); kept by replacements
+    generation: int = 0                            # 0: the first worker of the slot; g: its g-th replacement
+    info: dict = field(default_factory=dict)       # what it said of itself at start (node, pid, device)
     last_seen: float = field(default_factory=time.monotonic)
     dead: str | None = None
 
@@ -106,37 +109,43 @@ def tell(worker: WorkerState, cmd) -> None:
 
 
 def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerState]:
-    """Create the worker actors of ClusterConfig `c` (not yet started: `describe` waits for that)."""
+    """Create the worker actors of ClusterConfig `c` (not yet started: `Describe` waits for that)."""
+    roles = [("colocated", c.colocated)] if c.colocated else [("prefill", c.prefill), ("decode", c.decode)]
+    out: dict[str, WorkerState] = {}
+    for role, count in roles:
+        for i in range(count):
+            worker = spawn_worker(c, role, f"{role}-{i}", events_address, namespace)
+            out[worker.name] = worker
+    return out
+
+
+def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str,
+                 generation: int = 0) -> WorkerState:
+    """One worker actor of `role` for slot `slot` ("decode-0"); a replacement (generation g > 0)
+    is named "<slot>-r<g>" so nothing of the dead one can be mistaken for it."""
     import ray
 
     from decode_worker.colocated import ColocatedWorker
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
-    base = {"model": c.model, "num_blocks": c.num_blocks, **c.engine}
-    if c.colocated:
-        plan = [("colocated", c.colocated, ColocatedWorker, {})]
-    else:
-        plan = [("prefill", c.prefill, PrefillWorker, c.prefill_resources),
-                ("decode", c.decode, DecodeWorker, c.decode_resources)]
-    out: dict[str, WorkerState] = {}
-    for role, count, cls, res in plan:
-        engine = {**base, "block_size": c.block_size}
-        if role == "decode":
-            engine["model"] = c.decode_model or c.model
-            engine["block_size"] = c.decode_block_size or c.block_size
-            engine["num_blocks"] = c.decode_num_blocks or c.num_blocks
-        for i in range(count):
-            name = f"{role}-{i}"
-            cfg = {"name": name, "events_address": events_address, "engine": dict(engine)}
-            if role == "prefill":  # a stuck transfer must end before the heartbeat is missed
-                cfg.update(transport=c.transport, namespace=namespace,
-                           transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s),
-                           hold_s=c.reserve_wait_s + 2 * c.call_timeout_s)  # outlives a resend's reserve
-            elif role == "decode":
-                cfg.update(transport=c.transport, kv_host=c.host, reserve_ttl_s=c.event_timeout_s)
-            cfg["heartbeat_s"] = c.report_s
-            handle = ray.remote(cls).options(name=name, namespace=namespace, num_cpus=c.actor_cpus,
-                                             resources=dict(res), max_restarts=0).remote(cfg)
-            out[name] = WorkerState(name, role, handle)
-    return out
+    name = slot if generation == 0 else f"{slot}-r{generation}"
+    engine = {"model": c.model, "num_blocks": c.num_blocks, **c.engine, "block_size": c.block_size}
+    config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s}
+    resources = {}
+    if role == "prefill":  # a stuck transfer must end before the heartbeat is missed
+        config.update(transport=c.transport, namespace=namespace,
+                      transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s),
+                      hold_s=c.reserve_wait_s + 2 * c.call_timeout_s)  # outlives a resend's reserve
+        resources = c.prefill_resources
+    elif role == "decode":
+        engine.update(model=c.decode_model or c.model, block_size=c.decode_block_size or c.block_size,
+                      num_blocks=c.decode_num_blocks or c.num_blocks)
+        config.update(transport=c.transport, kv_host=c.host, reserve_ttl_s=c.event_timeout_s)
+        resources = c.decode_resources
+    config["engine"] = engine
+    actor = {"colocated": ColocatedWorker, "prefill": PrefillWorker, "decode": DecodeWorker}[role]
+    gpus = c.gpus_per_worker if str(engine.get("device", "cpu")).startswith("cuda") else 0
+    handle = ray.remote(actor).options(name=name, namespace=namespace, num_cpus=c.actor_cpus, num_gpus=gpus,
+                                       resources=dict(resources), max_restarts=0).remote(config)
+    return WorkerState(name, role, handle, slot=slot, generation=generation)

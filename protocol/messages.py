@@ -133,6 +133,10 @@ class WorkerInfo:
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: list[int]
+    device: str = "cpu"          # the engine's device (a GPU Ray assigned shows as cuda:0 in the actor)
+    node_id: str = ""            # the Ray node it runs on ('' outside Ray)
+    node_address: str = ""
+    pid: int = 0
 
 
 # ---- events -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ their config class and handler (prefill_worker, decode_worker).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from protocol.codec import ProtocolError, decode, encode
@@ -94,11 +95,21 @@ class WorkerActor:
 
     def describe(self) -> WorkerInfo:
         e = self.engine
+        node_id = node_address = ""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+                node_address = ray.util.get_node_ip_address()
+        except ImportError:  # in process without Ray (tests)
+            pass
         return WorkerInfo(name=self.config.name, role=self.role, address=getattr(self.handler, "address", ""),
                           fingerprint=e.storage.layout.fingerprint(), block_size=e.config.block_size,
                           model=e.config.model, max_context=e.model_config.max_position_embeddings,
                           vocab_size=e.model_config.vocab_size, bos_token_id=e.model_config.bos_token_id,
-                          eos_token_ids=list(e.model_config.eos_token_ids))
+                          eos_token_ids=list(e.model_config.eos_token_ids), device=str(e.device),
+                          node_id=node_id, node_address=node_address, pid=os.getpid())
 
     def stats(self) -> dict:
         return self.loop.stats()

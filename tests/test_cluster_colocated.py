@@ -110,7 +110,7 @@ def test_client_disconnect_frees_blocks(cluster):
 def test_dead_colocated_worker_fails_its_stream_and_new_requests_get_503(ray_local):
     import ray
 
-    srv = ClusterServer(ClusterConfig(colocated=1, num_blocks=128, heartbeat_timeout_s=3.0))
+    srv = ClusterServer(ClusterConfig(colocated=1, num_blocks=128, heartbeat_timeout_s=3.0, max_restarts=0))
     try:
         port = srv.start()
         body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}

@@ -33,7 +33,8 @@ def test_dead_decode_worker_fails_its_stream_and_new_requests_get_503(ray_local)
     later requests get 503 naming the missing role, and /health says unhealthy."""
     import ray
 
-    srv = ClusterServer(ClusterConfig(prefill=1, decode=1, num_blocks=128, heartbeat_timeout_s=3.0))
+    srv = ClusterServer(ClusterConfig(prefill=1, decode=1, num_blocks=128, heartbeat_timeout_s=3.0,
+                                      max_restarts=0))  # stays dead: the 503s below are the point
     try:
         port = srv.start()
         assert len(cc.complete(port, {"prompt": PROMPTS[0], "max_tokens": 3})["choices"][0]["token_ids"]) == 3

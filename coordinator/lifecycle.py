@@ -1,0 +1,155 @@
+"""Starting, stopping and replacing the cluster's workers, as a mixin of `ClusterBackend`.
+
+`start` checks that the Ray cluster has the GPUs the config asks for, places the workers, waits
+(bounded) for each to describe itself and report once, and has every prefill worker handshake
+with every decode worker: an incompatible pair (layout, model) refuses to start, naming both.
+A worker found dead (coordinator.failover's monitor) is replaced after a backoff that doubles
+with each recent replacement of its slot, at most `max_restarts` per `restart_window_s`; the
+replacement ("decode-0-r1") joins only after the same handshakes as at start, and the dead
+one leaves the worker table. If the coordinator itself dies, Ray ends the workers it owns
+(actors share their owner's fate), so no worker outlives it holding blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from coordinator.protocol import ServiceUnavailable
+from coordinator.workers import call, command, spawn_worker, spawn_workers
+from protocol.messages import Connect, Describe
+
+log = logging.getLogger(__name__)
+
+
+class LifecycleMixin:
+    """Needs from the host class: config, colocated, workers, routers, ledger, reconciler, metrics,
+    namespace, tokenizer, _pull, _reader, _monitor_task, _tasks, _lost, _restarts, _joining, _requests,
+    _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
+
+    async def start(self):
+        from engine.tokenizer import load_tokenizer
+        from protocol.queues import PullQueue
+
+        c = self.config
+        self._check_gpus()
+        self._pull = PullQueue(f"tcp://{c.host}:0", create=True)
+        self._reader = asyncio.create_task(self._read_reports())
+        self.workers.update(spawn_workers(c, self._pull.address, self.namespace))
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(
+                *(self._describe(worker) for worker in self.workers.values())), c.start_timeout_s)
+            if not self.colocated:
+                for p in self._role("prefill"):
+                    for d in self._role("decode"):
+                        await self._handshake(p, d)
+            await self._first_report(list(self.workers.values()), time.monotonic() + c.start_timeout_s)
+        except asyncio.TimeoutError:
+            await self.aclose()
+            raise RuntimeError(f"workers did not start within {c.start_timeout_s}s") from None
+        except Exception as e:
+            await self.aclose()
+            raise RuntimeError(f"a worker failed to start: {e}") from None
+        first = infos[0]  # every worker serves the same model (the handshakes enforce it)
+        self.max_context, self.vocab_size = first.max_context, first.vocab_size
+        self.tokenizer = load_tokenizer(None if c.model == "tiny" else c.model, first)
+        self._monitor_task = asyncio.create_task(self._monitor())
+        return self
+
+    def _check_gpus(self) -> None:
+        """Refuse at start a config that asks for more GPUs than the Ray cluster has."""
+        import ray
+
+        c = self.config
+        if not str(c.engine.get("device", "cpu")).startswith("cuda"):
+            return
+        workers = c.colocated or (c.prefill + c.decode)
+        need, have = workers * c.gpus_per_worker, ray.cluster_resources().get("GPU", 0)
+        if need > have:
+            raise RuntimeError(f"the config asks for {need:g} GPUs ({workers} workers x "
+                               f"{c.gpus_per_worker:g}) but the Ray cluster has {have:g}")
+
+    async def _describe(self, worker):
+        info = await command(worker, Describe(), self.config.start_timeout_s)
+        worker.address, worker.block_size, worker.model = info.address, info.block_size, info.model
+        worker.info = {"device": info.device, "node_id": info.node_id, "node_address": info.node_address,
+                       "pid": info.pid}
+        worker.last_seen = time.monotonic()
+        return info
+
+    async def _handshake(self, prefill, decode) -> None:
+        """The prefill worker handshakes with the decode worker now: incompatible -> RuntimeError."""
+        reply = await command(prefill, Connect(decode.name, decode.address), self.config.start_timeout_s)
+        if reply.error:
+            raise RuntimeError(f"{prefill.name} (model {prefill.model}, block size {prefill.block_size}) "
+                               f"cannot hand KV to {decode.name} (model {decode.model}, block size "
+                               f"{decode.block_size}): {reply.error}")
+
+    async def _first_report(self, workers: list, deadline: float) -> None:
+        while any(not worker.stats for worker in workers):
+            if time.monotonic() > deadline:
+                raise asyncio.TimeoutError
+            await asyncio.sleep(0.02)
+
+    async def _replace(self, dead) -> None:
+        """Replace a dead worker (see the module docstring); gives up, logged, past the limit."""
+        import ray
+
+        c, slot = self.config, dead.slot or dead.name
+        now = time.monotonic()
+        recent = self._restarts.setdefault(slot, [])
+        recent[:] = [t for t in recent if now - t < c.restart_window_s]
+        if len(recent) >= c.max_restarts:
+            log.error("worker slot %s died %d times within %gs: not replaced", slot, len(recent),
+                      c.restart_window_s)
+            self.metrics.count_error("restart_limit")
+            return
+        await asyncio.sleep(c.restart_backoff_s * 2 ** len(recent))
+        recent.append(time.monotonic())
+        ray.kill(dead.handle, no_restart=True)  # a wedged one still holds its CPUs, GPU and blocks
+        worker = spawn_worker(c, dead.role, slot, self._pull.address, self.namespace, dead.generation + 1)
+        self._joining[worker.name] = worker  # its reports update its stats; nothing is routed to it yet
+        try:
+            await self._describe(worker)
+            pairs = [(p, worker) for p in self._live("prefill")] if dead.role == "decode" else \
+                [(worker, d) for d in self._live("decode")] if dead.role == "prefill" else []
+            for prefill, decode in pairs:
+                await self._handshake(prefill, decode)
+            await self._first_report([worker], time.monotonic() + c.start_timeout_s)
+        except Exception as e:  # noqa: BLE001 (any failure: the replacement does not join)
+            log.error("replacement %s for %s did not join: %s", worker.name, dead.name, e)
+            ray.kill(worker.handle, no_restart=True)
+            self.metrics.count_error("restart_failed")
+            return
+        finally:
+            self._joining.pop(worker.name, None)
+        self.workers[worker.name] = worker
+        self.workers.pop(dead.name, None)
+        self._lost.discard(dead.name)
+        self.metrics.count_restart(dead.role)
+        log.warning("worker %s replaced by %s", dead.name, worker.name)
+
+    def _live(self, role: str) -> list:
+        timeout = self.config.heartbeat_timeout_s
+        return [w for w in self._role(role) if w.alive(timeout) and w.name not in self._lost]
+
+    async def aclose(self) -> None:
+        import ray
+
+        for worker in self.workers.values():
+            try:
+                await call(worker.handle.shutdown.remote(), self.config.call_timeout_s)
+            except Exception:  # dead or stuck: killing it below frees it anyway
+                pass
+            ray.kill(worker.handle, no_restart=True)
+        self.workers.clear()
+        for task in (self._reader, self._monitor_task, *self._tasks):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._pull is not None:
+            self._pull.close()
+            self._pull = None
+        for request in self._requests.values():
+            request.q.put_nowait(ServiceUnavailable("server shutting down"))
