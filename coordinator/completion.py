@@ -1,7 +1,8 @@
 """One admitted completion request as the HTTP layer runs it: pulls the backend's events, turns
 them into per-choice deltas (text produced incrementally by coordinator.detokenize, stop strings
 cutting text and token ids at the same token), and keeps its latencies for the response and the
-metrics. Every wait on the backend is bounded.
+metrics. Every wait on the backend is bounded. `ResponseFormat` says how a route writes its
+choices and chunks: `TEXT` for /v1/completions here, `CHAT` in coordinator.chat.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.backend import FinalEvent, TokenEvent
@@ -30,6 +32,32 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one route writes its answer.
+
+    object: the whole response's `object` field; chunk_object: each streamed chunk's.
+    choice(index, text, token_ids, finish_reason) -> one choice of the whole response.
+    chunk_choice(index, text, token_ids, finish_reason, first) -> one streamed choice; `first`
+        is true on the first chunk of that choice.
+    """
+
+    object: str
+    chunk_object: str
+    choice: Callable[[int, str, list[int], str | None], dict]
+    chunk_choice: Callable[[int, str, list[int], str | None, bool], dict]
+
+
+def _text_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                 first: bool = False) -> dict:
+    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+TEXT = ResponseFormat(object="text_completion", chunk_object="text_completion", choice=_text_choice,
+                      chunk_choice=_text_choice)
 
 
 class CompletionRun:

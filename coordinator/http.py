@@ -1,7 +1,9 @@
 """The coordinator's OpenAI-compatible HTTP API (aiohttp).
 
-Routes: `POST /v1/completions` (JSON, or server-sent events with `stream`), `GET /v1/models`,
-`GET /health`, `GET /metrics` (Prometheus text), `GET /v1/cluster` (the backend's `info()`).
+Routes: `POST /v1/completions` and `POST /v1/chat/completions` (JSON, or server-sent events
+with `stream`; a chat request is rendered to a prompt with the model's chat template by
+coordinator.chat), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text),
+`GET /v1/cluster` (the backend's `info()`).
 The layer sees only `CompletionRequest`s, backend events and the backend methods documented in
 coordinator.backend, so the in-process engine and the Ray cluster serve the same API. Text is
 produced here, incrementally per choice (coordinator.detokenize): multi-byte characters split
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from coordinator.completion import CompletionRun, Delta
+from coordinator.chat import CHAT, parse_chat_request
+from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
 from coordinator.metrics import CONTENT_TYPE, Metrics
 from coordinator.protocol import (
     APIError,
@@ -87,10 +90,26 @@ async def _errors(request: web.Request, handler):
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
+    cfg = request.app[CONFIG]
+    return await _answer(request, TEXT, lambda raw, backend: parse_completion_request(raw, max_n=cfg.max_n))
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    cfg = request.app[CONFIG]
+
+    def parse(raw: bytes, backend):
+        template = getattr(backend.tokenizer, "chat_template", None)
+        return parse_chat_request(raw, template, max_n=cfg.max_n)
+
+    return await _answer(request, CHAT, parse)
+
+
+async def _answer(request: web.Request, shape: ResponseFormat, parse) -> web.StreamResponse:
+    """One completion request, parsed by `parse(raw body, backend)` and answered in `shape`."""
     app = request.app
     backend, cfg, metrics = app[BACKEND], app[CONFIG], app[METRICS]
     try:
-        creq = parse_completion_request(await request.read(), max_n=cfg.max_n)
+        creq = parse(await request.read(), backend)
         names = backend.model_names()
         if creq.model and creq.model not in names:
             raise ModelNotFound(f"the model '{creq.model}' does not exist; this server serves: "
@@ -105,9 +124,9 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     status = "aborted"
     try:
         if creq.stream:
-            resp = await _stream(request, run, model)
+            resp = await _stream(request, run, model, shape)
         else:
-            resp = await _whole(run, model)
+            resp = await _whole(run, model, shape)
         status = "ok" if run.error is None else _status_label(run.error.status)
         return resp
     except APIError as e:
@@ -122,18 +141,16 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         run.record(status)
 
 
-def _head(run: CompletionRun, model: str) -> dict:
-    return {"id": run.creq.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": model}
+def _head(run: CompletionRun, model: str, object_name: str) -> dict:
+    return {"id": run.creq.request_id, "object": object_name, "created": int(time.time()), "model": model}
 
 
-async def _whole(run: CompletionRun, model: str) -> web.Response:
+async def _whole(run: CompletionRun, model: str, shape: ResponseFormat) -> web.Response:
     texts = [""] * len(run.choices)
     async for d in run.deltas():
         texts[d.index] += d.text
-    choices = [{"index": i, "text": texts[i], "token_ids": c.ids, "finish_reason": c.finish_reason,
-                "logprobs": None} for i, c in enumerate(run.choices)]
-    return web.json_response({**_head(run, model), "choices": choices, "usage": run.usage(),
+    choices = [shape.choice(i, texts[i], c.ids, c.finish_reason) for i, c in enumerate(run.choices)]
+    return web.json_response({**_head(run, model, shape.object), "choices": choices, "usage": run.usage(),
                               "pdserve": run.timing()})
 
 
@@ -141,7 +158,8 @@ def _sse(obj) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
 
-async def _stream(request: web.Request, run: CompletionRun, model: str) -> web.StreamResponse:
+async def _stream(request: web.Request, run: CompletionRun, model: str,
+                  shape: ResponseFormat) -> web.StreamResponse:
     """Each delta is written as soon as it exists; only the one that finishes the last choice
     waits for the end of the backend's stream, so it can carry usage and timings."""
     it = run.deltas().__aiter__()
@@ -149,14 +167,16 @@ async def _stream(request: web.Request, run: CompletionRun, model: str) -> web.S
         first = await it.__anext__()  # errors before the first token still get their own status
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        head = _head(run, model)
+        head = _head(run, model, shape.chunk_object)
         last: dict | None = None
         delta: Delta | None = first
+        started: set[int] = set()  # choices that already sent a chunk
         try:
             while delta is not None:
-                chunk = {**head, "choices": [{"index": delta.index, "text": delta.text,
-                                              "token_ids": delta.token_ids, "logprobs": None,
-                                              "finish_reason": delta.finish_reason}]}
+                choice = shape.chunk_choice(delta.index, delta.text, delta.token_ids, delta.finish_reason,
+                                            delta.index not in started)
+                started.add(delta.index)
+                chunk = {**head, "choices": [choice]}
                 if all(c.finish_reason is not None for c in run.choices):
                     last = chunk  # the final delta: held until the final event has been read
                 else:
@@ -202,6 +222,7 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
     app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
     app[BACKEND], app[CONFIG], app[METRICS] = backend, config, metrics or Metrics()
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

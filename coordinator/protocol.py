@@ -91,6 +91,8 @@ class CompletionRequest:
         ignore_eos are extensions of the OpenAI API).
     stream: answer with server-sent events.
     include_usage: stream_options.include_usage (usage is sent on the last chunk regardless).
+    add_special_tokens: let the tokenizer add its special tokens (e.g. BOS) when encoding the
+        prompt text; False for a prompt rendered by a chat template, which writes them itself.
     """
 
     request_id: str
@@ -108,6 +110,7 @@ class CompletionRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    add_special_tokens: bool = True
 
     def sampling_params(self) -> SamplingParams:
         """The request's sampling settings; InvalidRequest if they break a bound."""
@@ -200,9 +203,8 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
-def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
-                             request_id: str | None = None) -> CompletionRequest:
-    """Validate a completions body; raises InvalidRequest naming the offending field."""
+def json_object(raw: bytes | str | dict) -> dict:
+    """The request body as a dict; InvalidRequest when it is not a JSON object."""
     if isinstance(raw, (bytes, str)):
         try:
             body = json.loads(raw)
@@ -212,6 +214,13 @@ def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
         body = raw
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
+                             request_id: str | None = None) -> CompletionRequest:
+    """Validate a completions body; raises InvalidRequest naming the offending field."""
+    body = json_object(raw)
     unsupported = sorted(k for k, ok in _UNSUPPORTED_NOOP.items() if k in body and body[k] not in ok)
     if unsupported:
         raise InvalidRequest(f"unsupported field(s): {', '.join(unsupported)}", param=unsupported[0])
@@ -251,7 +260,7 @@ def resolve_prompt(creq: CompletionRequest, tokenizer, max_context: int,
     ids inside the vocabulary, prompt + max_tokens within the model's context."""
     ids = creq.prompt_ids
     if creq.prompt is not None:
-        ids = tuple(tokenizer.encode(creq.prompt))
+        ids = tuple(tokenizer.encode(creq.prompt, add_special_tokens=creq.add_special_tokens))
         if not ids:
             raise InvalidRequest("'prompt' encodes to no tokens", param="prompt")
     bad = [t for t in ids if t >= vocab_size]
