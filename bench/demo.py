@@ -1,10 +1,11 @@
 """The demo `pdserve demo` (and `make demo`) runs: first the allocator-policy simulator on the
 shipped trace (table, JSON and figure under `out`), then a disaggregated cluster on an embedded
-local Ray with 1 prefill + 1 decode worker and KV migrated over ZeroMQ (or Ray), to which it sends
-a handful of requests over HTTP (two sharing a long prefix, one with n=2, one streamed), printing
-each completion with its migration (blocks, bytes, ms, transport) and TTFT/TPOT, then the
-ownership ledger's end state (nothing owned), before shutting everything down, the Ray it started
-included. Only the command line imports this module.
+local Ray with 1 prefill + 1 decode worker serving a real model (SmolLM2-135M-Instruct by
+default, `smollm2`; `tiny` is the random test model) and KV migrated over ZeroMQ (or Ray), to
+which it sends a handful of requests over HTTP (two sharing a long prefix, one with n=2, one
+streamed chat), printing each answer's text with its migration (blocks, bytes, ms, transport)
+and TTFT/TPOT, then the ownership ledger's end state (nothing owned), before shutting everything
+down, the Ray it started included. Only the command line imports this module.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import sys
 import time
 import urllib.request
 
+DEFAULT_MODEL = "smollm2"
+
 
 def run(out: str = "out/demo", transport: str = "zmq", block_size: int = 16,
-        decode_block_size: int = 0) -> int:
+        decode_block_size: int = 0, model: str = DEFAULT_MODEL) -> int:
     """Both steps; 0 on success, 2 when the shipped scenario cannot be read."""
     from bench.sim.report import load, run_and_report, source_name
     from bench.sim.scenario import ScenarioError
@@ -32,20 +35,22 @@ def run(out: str = "out/demo", transport: str = "zmq", block_size: int = 16,
         return 2
     run_and_report(scenario, source, os.path.join(out, "simulate.json"), os.path.join(out, "simulate.png"))
     print()
-    print(f"== 2. Disaggregated cluster: 1 prefill + 1 decode worker, {transport} transport ==")
-    return _cluster_demo(transport, block_size, decode_block_size)
+    print(f"== 2. Disaggregated cluster: 1 prefill + 1 decode worker, model {model}, "
+          f"{transport} transport ==")
+    return _cluster_demo(transport, block_size, decode_block_size, model)
 
 
-def _post(base: str, body: dict) -> dict:
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+def _post(base: str, body: dict, path: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
 
-def _stream(base: str, body: dict) -> dict:
-    """Read the server-sent events; returns the last chunk with the streamed text and ids joined."""
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+def _stream(base: str, body: dict, path: str = "/v1/completions") -> dict:
+    """Read the server-sent events; returns the last chunk with the streamed text and ids joined
+    (a chat chunk's text is its `delta.content`)."""
+    req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     text, ids, last, chunks = "", [], {}, 0
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -56,7 +61,7 @@ def _stream(base: str, body: dict) -> dict:
             last = json.loads(line[6:])
             chunks += 1
             for c in last.get("choices", []):
-                text += c.get("text", "")
+                text += c.get("text") or (c.get("delta") or {}).get("content") or ""
                 ids += c.get("token_ids") or []
     last["choices"] = [{"index": 0, "text": text, "token_ids": ids,
                         "finish_reason": last["choices"][0]["finish_reason"]}]
@@ -74,31 +79,43 @@ def _report(label: str, body: dict) -> None:
     print(f"- {label}: prompt {body['usage']['prompt_tokens']} tokens; {mig_s}; "
           f"TTFT {t.get('ttft_ms', 0):.0f} ms, TPOT {t.get('tpot_ms') or 0:.1f} ms{extra}")
     for c in body["choices"]:
-        ids = c["token_ids"]
-        print(f"    [{c['index']}] {c['finish_reason']:6s} {len(ids)} tokens: {ids[:12]}...")
+        text = c["text"] if "text" in c else c["message"]["content"]
+        print(f"    [{c['index']}] {c['finish_reason']:6s} {len(c['token_ids'])} tokens: {printable(text)}")
 
 
-def _cluster_demo(transport: str, block_size: int, decode_block_size: int) -> int:
+def printable(text: str) -> str:
+    """The answer on one line: whitespace runs (newlines too) become one space."""
+    return " ".join(text.split()) or "(empty)"
+
+
+def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model: str) -> int:
     from coordinator.cluster import ClusterConfig
     from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray
 
     t0 = time.perf_counter()
     started = start_ray(RayConfig())
-    srv = ClusterServer(ClusterConfig(prefill=1, decode=1, transport=transport, model="tiny",
+    srv = ClusterServer(ClusterConfig(prefill=1, decode=1, transport=transport, model=model,
                                       block_size=block_size, decode_block_size=decode_block_size))
     try:
         port = srv.start()
         base = f"http://127.0.0.1:{port}"
         how = "started" if started else "joined"
         print(f"cluster up at {base} in {time.perf_counter() - t0:.1f} s (Ray {how})")
-        prefix = ("System: you are a careful assistant that answers in one short sentence. "
-                  "Context: paged KV caches split each sequence into fixed-size blocks. ")
-        common = {"model": "tiny", "temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
-        _report("shared prefix A", _post(base, {**common, "prompt": prefix + "Q: what is a block table?"}))
-        _report("shared prefix B", _post(base, {**common, "prompt": prefix + "Q: why share blocks?"}))
+        prefix = ("The following are short, factual answers to questions about geography. "
+                  "Each answer is one sentence.\n\n")
+        common = {"model": model, "temperature": 0.0, "max_tokens": 20}
+        line = {**common, "stop": ["\n"]}
+        for label, question in (("shared prefix A", "What is the capital of France?"),
+                                ("shared prefix B", "Which ocean is the largest?")):
+            _report(label, _post(base, {**line, "prompt": f"{prefix}Q: {question}\nA:"}))
         _report("n=2, seed 7", _post(base, {**common, "prompt": "Once upon a time", "n": 2,
                                             "temperature": 0.8, "seed": 7}))
-        _report("streamed", _stream(base, {**common, "prompt": "Streaming tokens back, one step at a time"}))
+        if model == "tiny":  # the random test model has no chat template
+            _report("streamed", _stream(base, {**common, "prompt": "Streaming tokens back, one at a time"}))
+        else:
+            chat = {**common, "max_tokens": 32,
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+            _report("chat, streamed", _stream(base, chat, "/v1/chat/completions"))
         with urllib.request.urlopen(base + "/v1/cluster", timeout=30) as r:
             cluster = json.loads(r.read())
         led = cluster["ledger"]

@@ -1,11 +1,12 @@
 """`pdserve demo`: the README's main job (`make demo` runs it).
 
 1. The allocator-policy simulator on the shipped trace (table, JSON and figure under --out).
-2. A disaggregated cluster on an embedded local Ray: 1 prefill + 1 decode worker, KV migrated
-   over ZeroMQ (or Ray with --transport ray). It sends a handful of requests over HTTP (two
-   sharing a long prefix, one with n=2, one streamed), prints each completion with its
-   migration (blocks, bytes, ms, transport) and TTFT/TPOT, then the ownership ledger's end state
-   (nothing owned), and shuts everything down, the Ray it started included.
+2. A disaggregated cluster on an embedded local Ray: 1 prefill + 1 decode worker serving
+   SmolLM2-135M-Instruct (--model smollm2, the default), KV migrated over ZeroMQ (or Ray with
+   --transport ray). It sends a handful of requests over HTTP (two sharing a long prefix, one
+   with n=2, one streamed chat), prints each answer's text with its migration (blocks, bytes,
+   ms, transport) and TTFT/TPOT, then the ownership ledger's end state (nothing owned), and
+   shuts everything down, the Ray it started included.
 The demo itself is `bench.demo`.
 """
 
@@ -19,6 +20,8 @@ HELP = "run the main demo: allocator-policy simulator, then a 1 prefill + 1 deco
 def add_arguments(p) -> None:
     p.add_argument("--out", default="out/demo", help="folder for the JSON and figure (default out/demo)")
     p.add_argument("--transport", choices=("zmq", "ray"), default="zmq", help="KV migration transport")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default: SmolLM2-135M-Instruct), 'tiny' "
+                   "(random test model), a .gguf file or a Hugging Face checkpoint directory")
     p.add_argument("--block-size", type=int, default=16, help="prefill worker's KV block size")
     p.add_argument("--decode-block-size", type=int, default=0,
                    help="decode worker's KV block size (0: same; a different one is re-blocked)")
@@ -28,4 +31,4 @@ def run(args) -> int:
     from bench.demo import run as demo
 
     return demo(out=args.out, transport=args.transport, block_size=args.block_size,
-                decode_block_size=args.decode_block_size)
+                decode_block_size=args.decode_block_size, model=args.model)

@@ -21,7 +21,9 @@ def add_arguments(p) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the engine in this process (default)")
     where.add_argument("--url", help="base URL of a running coordinator, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
+    p.add_argument("--model", help="with --local: 'tiny' (default: random test model), 'smollm2' "
+                   "(SmolLM2-135M-Instruct), a Llama-family .gguf file or a Hugging Face checkpoint "
+                   "directory; with --url: the served model's name (default: the server's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -86,7 +88,8 @@ def _local(args, ids: list[int] | None) -> dict:
     from engine.engine import EngineConfig, LLMEngine
 
     params = _params(args)
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, block_size=args.block_size))
+    config = EngineConfig(model=args.model or "tiny", device=args.device, block_size=args.block_size)
+    engine = LLMEngine(config)
     if ids is None:
         ids = engine.tokenizer.encode(args.prompt)
     [done] = engine.generate([ids], params)
@@ -101,7 +104,7 @@ def _remote(args, ids: list[int] | None) -> dict:
     import urllib.request
 
     params = _params(args)
-    body = {"model": args.model, "prompt": ids if ids is not None else args.prompt,
+    body = {"model": args.model or "", "prompt": ids if ids is not None else args.prompt,
             "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "n": params.n, "stop": list(params.stop)}
     if args.seed is not None:

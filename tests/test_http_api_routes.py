@@ -128,7 +128,8 @@ def test_backend_down_is_503_fast(http_loop, http_server):
 
 def test_serve_cli_answers_and_stops_on_sigint():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pdserve_cli.main", "serve", "--port", "0", "--num-blocks", "64"]
+    cmd = [sys.executable, "-m", "pdserve_cli.main", "serve", "--model", "tiny", "--port", "0",
+           "--num-blocks", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         seen, m, deadline = "", None, time.monotonic() + 120
