@@ -67,6 +67,8 @@ class ClusterBackend(LifecycleMixin, FailoverMixin, ReportsMixin):
         self._lost: set[str] = set()
         self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
         self._joining: dict = {}                     # replacement workers not yet handshaken
+        self.bind_host = "127.0.0.1"                 # where the report socket binds (set at start)
+        self._published: dict = {}                   # model path -> its copy in the object store
         self._tasks: set[asyncio.Task] = set()
         self._reader = self._monitor_task = self._pull = None
 

@@ -16,7 +16,12 @@ class ClusterConfig:
     decode_block_size: int = 0        # decode workers' block size (0: block_size); migrations re-block
     num_blocks: int = 512             # KV pool size per worker, in blocks
     engine: dict = field(default_factory=dict)  # extra engine keyword arguments for every role
-    host: str = "127.0.0.1"           # interface the report socket and KV receivers bind (routable: nodes)
+    # where the report socket and the KV receivers bind: 'auto' (loopback when every Ray node is on this
+    # machine's address, else each node's own address as Ray reports it), 'loopback' or 'node'
+    bind: str = "auto"
+    event_port: int = 0               # the coordinator's report socket port (0: any free port)
+    kv_port_min: int = 0              # decode workers' KV receiver ports (0: any free port), for firewalls
+    kv_port_max: int = 0
     routing: str = "least_loaded"     # Router policy: round_robin, least_loaded or prefix_aware
     actor_cpus: float = 0.25          # Ray CPUs reserved per worker (fractional fits a cluster on 2 cores)
     start_timeout_s: float = 180.0    # bound on workers loading and handshaking
@@ -36,6 +41,9 @@ class ClusterConfig:
     reserve_wait_s: float = 30.0      # longest wait for decode room before 503 "decode workers full"
     decode_model: str = ""            # decode workers' model ('': model); another model is refused
     gpus_per_worker: float = 1.0      # GPUs each worker asks Ray for when its engine device is cuda
+    # how a checkpoint path reaches the workers (runtime.model_store): 'auto' (a node without the files
+    # loads the coordinator's copy from Ray's object store, once per node), 'always', or 'never'
+    model_distribution: str = "auto"
     restart_backoff_s: float = 1.0    # a dead worker is replaced after this, doubled per recent restart
     max_restarts: int = 3             # replacements per slot within restart_window_s; beyond, it stays dead
     restart_window_s: float = 300.0

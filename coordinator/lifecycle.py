@@ -34,9 +34,12 @@ class LifecycleMixin:
 
         c = self.config
         self._check_gpus()
-        self._pull = PullQueue(f"tcp://{c.host}:0", create=True)
+        self.bind_host = self._bind_host()
+        self._pull = PullQueue(f"tcp://{self.bind_host}:{c.event_port}", create=True)
         self._reader = asyncio.create_task(self._read_reports())
-        self.workers.update(spawn_workers(c, self._pull.address, self.namespace))
+        self._published = self._publish_models()
+        self.workers.update(spawn_workers(c, self._pull.address, self.namespace, self._kv_host(),
+                                          self._published))
         try:
             infos = await asyncio.wait_for(asyncio.gather(
                 *(self._describe(worker) for worker in self.workers.values())), c.start_timeout_s)
@@ -57,6 +60,36 @@ class LifecycleMixin:
         self._monitor_task = asyncio.create_task(self._monitor())
         return self
 
+    def _bind_host(self) -> str:
+        """The address the report socket binds, and whether workers bind theirs on their nodes:
+        loopback while every Ray node shares this machine's address, else this node's address."""
+        import ray
+
+        here, mode = ray.util.get_node_ip_address(), self.config.bind
+        if mode not in ("auto", "loopback", "node"):
+            raise ValueError(f"bind must be 'auto', 'loopback' or 'node', got {mode!r}")
+        if mode == "auto":
+            nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+            mode = "loopback" if nodes <= {here} else "node"
+        return "127.0.0.1" if mode == "loopback" else here
+
+    def _publish_models(self) -> dict:
+        """Model path -> its copy in Ray's object store, for nodes that lack the files."""
+        from runtime.model_store import publish
+
+        c = self.config
+        if c.model_distribution not in ("auto", "always", "never"):
+            raise ValueError(f"model_distribution must be 'auto', 'always' or 'never', "
+                             f"got {c.model_distribution!r}")
+        one_machine = self.bind_host == "127.0.0.1"  # every node is this machine: the files are here
+        if c.model_distribution == "never" or (c.model_distribution == "auto" and one_machine):
+            return {}
+        models = {c.model, c.decode_model or c.model}
+        return {m: published for m in models if (published := publish(m)) is not None}
+
+    def _kv_host(self) -> str:
+        return "127.0.0.1" if self.bind_host == "127.0.0.1" else "node"
+
     def _check_gpus(self) -> None:
         """Refuse at start a config that asks for more GPUs than the Ray cluster has."""
         import ray
@@ -74,7 +107,7 @@ class LifecycleMixin:
         info = await command(worker, Describe(), self.config.start_timeout_s)
         worker.address, worker.block_size, worker.model = info.address, info.block_size, info.model
         worker.info = {"device": info.device, "node_id": info.node_id, "node_address": info.node_address,
-                       "pid": info.pid}
+                       "pid": info.pid, "model_source": info.model_source}
         worker.last_seen = time.monotonic()
         return info
 
@@ -108,7 +141,8 @@ class LifecycleMixin:
         await asyncio.sleep(c.restart_backoff_s * 2 ** len(recent))
         recent.append(time.monotonic())
         ray.kill(dead.handle, no_restart=True)  # a wedged one still holds its CPUs, GPU and blocks
-        worker = spawn_worker(c, dead.role, slot, self._pull.address, self.namespace, dead.generation + 1)
+        worker = spawn_worker(c, dead.role, slot, self._pull.address, self.namespace, dead.generation + 1,
+                              self._kv_host(), self._published)
         self._joining[worker.name] = worker  # its reports update its stats; nothing is routed to it yet
         try:
             await self._describe(worker)

@@ -108,19 +108,23 @@ def tell(worker: WorkerState, cmd) -> None:
     worker.handle.command.remote(encode(cmd))
 
 
-def spawn_workers(c, events_address: str, namespace: str) -> dict[str, WorkerState]:
-    """Create the worker actors of ClusterConfig `c` (not yet started: `Describe` waits for that)."""
+def spawn_workers(c, events_address: str, namespace: str, kv_host: str = "127.0.0.1",
+                  published: dict | None = None) -> dict[str, WorkerState]:
+    """Create the worker actors of ClusterConfig `c` (not yet started: `Describe` waits for that).
+    kv_host: '127.0.0.1', or 'node' for decode workers to bind their node's own address.
+    published: model path -> its copy in the object store (runtime.model_store.publish)."""
     roles = [("colocated", c.colocated)] if c.colocated else [("prefill", c.prefill), ("decode", c.decode)]
     out: dict[str, WorkerState] = {}
     for role, count in roles:
         for i in range(count):
-            worker = spawn_worker(c, role, f"{role}-{i}", events_address, namespace)
+            worker = spawn_worker(c, role, f"{role}-{i}", events_address, namespace, kv_host=kv_host,
+                                  published=published)
             out[worker.name] = worker
     return out
 
 
-def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str,
-                 generation: int = 0) -> WorkerState:
+def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, generation: int = 0,
+                 kv_host: str = "127.0.0.1", published: dict | None = None) -> WorkerState:
     """One worker actor of `role` for slot `slot` ("decode-0"); a replacement (generation g > 0)
     is named "<slot>-r<g>" so nothing of the dead one can be mistaken for it."""
     import ray
@@ -141,9 +145,12 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str,
     elif role == "decode":
         engine.update(model=c.decode_model or c.model, block_size=c.decode_block_size or c.block_size,
                       num_blocks=c.decode_num_blocks or c.num_blocks)
-        config.update(transport=c.transport, kv_host=c.host, reserve_ttl_s=c.event_timeout_s)
+        config.update(transport=c.transport, kv_host=kv_host, reserve_ttl_s=c.event_timeout_s,
+                      kv_port_min=c.kv_port_min, kv_port_max=c.kv_port_max)
         resources = c.decode_resources
     config["engine"] = engine
+    config.update(model_files=(published or {}).get(engine["model"]),
+                  fetch_model=c.model_distribution == "always")
     actor = {"colocated": ColocatedWorker, "prefill": PrefillWorker, "decode": DecodeWorker}[role]
     gpus = c.gpus_per_worker if str(engine.get("device", "cpu")).startswith("cuda") else 0
     handle = ray.remote(actor).options(name=name, namespace=namespace, num_cpus=c.actor_cpus, num_gpus=gpus,

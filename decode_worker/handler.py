@@ -32,6 +32,8 @@ class DecodeWorkerConfig(WorkerConfig):
     # interface the ZeroMQ receiver binds (port picked freely; a non-loopback host binds this node's IP)
     kv_host: str = "127.0.0.1"
     reserve_ttl_s: float = 60.0  # a reservation whose imports have not all arrived by then is released
+    kv_port_min: int = 0         # the ZeroMQ receiver's port range (0: any free port)
+    kv_port_max: int = 0
 
     def __post_init__(self) -> None:
         if self.transport not in ("zmq", "ray"):
@@ -75,8 +77,8 @@ class DecodeHandler:
         self.last_snapshot: dict = engine.kv.usage()
         transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name)
         if config.transport == "zmq":
-            from transfer.zmq_transport import ZmqReceiver
-            self.receiver = ZmqReceiver(engine.kv, transport, admission=self.credits)
+            self.receiver = _bind_receiver(engine.kv, transport, self.credits, config.kv_port_min,
+                                           config.kv_port_max)
             self.address = self.receiver.address
         else:
             from transfer.ray_transport import RayReceiverEndpoint
@@ -193,6 +195,26 @@ class DecodeHandler:
     def close(self) -> None:
         if hasattr(self.receiver, "close"):
             self.receiver.close()
+
+
+def _bind_receiver(manager, transport, admission, port_min: int, port_max: int):
+    """A ZeroMQ receiver on the first free port of [port_min, port_max] (any port when 0)."""
+    import dataclasses
+
+    import zmq
+
+    from transfer.zmq_transport import ZmqReceiver
+
+    if not port_min:
+        return ZmqReceiver(manager, transport, admission=admission)
+    host = transport.address.rsplit(":", 1)[0]
+    for port in range(port_min, max(port_min, port_max) + 1):
+        try:
+            return ZmqReceiver(manager, dataclasses.replace(transport, address=f"{host}:{port}"),
+                               admission=admission)
+        except zmq.ZMQError:  # taken: the next one
+            continue
+    raise RuntimeError(f"no free KV receiver port in {port_min}..{port_max}")
 
 
 def _request_of(transfer_id: str) -> str:

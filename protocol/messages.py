@@ -137,6 +137,7 @@ class WorkerInfo:
     node_id: str = ""            # the Ray node it runs on ('' outside Ray)
     node_address: str = ""
     pid: int = 0
+    model_source: str = "local"  # where its weights came from: local, object_store or node_cache
 
 
 # ---- events -----------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ class WorkerConfig:
     idle_poll_s: float = 0.02
     busy_poll_s: float = 0.001
     call_timeout_s: float = 30.0
+    # the coordinator's published copy of the model's files (runtime.model_store), or None
+    model_files: dict | None = None
+    fetch_model: bool = False    # load the published copy even when the path exists on this node
 
 
 def refuse_submit(engine, cmd) -> Reply | None:
@@ -57,10 +60,14 @@ class WorkerActor:
         import torch
 
         from engine.engine import EngineConfig, LLMEngine
+        from runtime.model_store import resolve
 
         torch.set_num_threads(1)
         self.config = self.config_class(**config)
-        self.engine = LLMEngine(EngineConfig(**{**(self.config.engine or {}), "role": self.role}))
+        engine = dict(self.config.engine or {})
+        engine["model"], self.model_source = resolve(engine.get("model", "tiny"), self.config.model_files,
+                                                     prefer_local=not self.config.fetch_model)
+        self.engine = LLMEngine(EngineConfig(**{**engine, "role": self.role}))
         self.handler = self.make_handler(self.config, self.engine)
         self._events = PushQueue(self.config.events_address)  # used on the loop thread only
         c = self.config
@@ -109,7 +116,8 @@ class WorkerActor:
                           model=e.config.model, max_context=e.model_config.max_position_embeddings,
                           vocab_size=e.model_config.vocab_size, bos_token_id=e.model_config.bos_token_id,
                           eos_token_ids=list(e.model_config.eos_token_ids), device=str(e.device),
-                          node_id=node_id, node_address=node_address, pid=os.getpid())
+                          node_id=node_id, node_address=node_address, pid=os.getpid(),
+                          model_source=self.model_source)
 
     def stats(self) -> dict:
         return self.loop.stats()

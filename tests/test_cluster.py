@@ -167,6 +167,19 @@ def test_shipped_configs_parse_into_cluster_configs():
                             block_size=s.block_size, routing=s.routing, **extras)
         assert cfg.prefill >= 1 and cfg.transport in ("zmq", "ray")
     assert cfg.prefill_resources and cfg.decode_resources  # multinode places the roles apart
+    assert s.address == "auto" and s.host == "0.0.0.0"  # joins the running cluster, HTTP on every interface
+    assert cfg.engine["device"] == "cuda" and cfg.gpus_per_worker == 1 and cfg.bind == "auto"
+    assert cfg.model.startswith("/models/")
+
+    import yaml
+
+    manifest = yaml.safe_load((pathlib.Path(__file__).parent.parent / "deploy" / "kuberay-raycluster.yaml")
+                              .read_text())
+    head = manifest["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    assert {"/models", "/config"} <= mounts  # the model volume and the pdserve config
+    decode = manifest["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert "/models" in {m["mountPath"] for m in decode["volumeMounts"]}
 
 
 def test_repeated_prompt_sends_only_blocks_the_decode_side_lacks(cluster):

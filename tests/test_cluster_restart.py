@@ -41,7 +41,8 @@ def _answer(port: int, prompt: list[int]):
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_sigkill_under_load_then_the_worker_is_replaced(ray_local, local_engine, role):
     want = cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
-    config = ClusterConfig(prefill=1, decode=1, num_blocks=128, heartbeat_timeout_s=3.0, restart_backoff_s=0.5)
+    config = ClusterConfig(prefill=1, decode=1, num_blocks=128, heartbeat_timeout_s=3.0,
+                           restart_backoff_s=0.5)
     srv = ClusterServer(config)
     try:
         port = srv.start()
@@ -60,7 +61,8 @@ def test_sigkill_under_load_then_the_worker_is_replaced(ray_local, local_engine,
         assert replacement in ok and victim["name"] not in ok
         assert ok[replacement]["pid"] != victim["pid"]
         assert _answer(port, PROMPTS[0]) == want[0][0]  # capacity is back
-        assert 'pdserve_worker_restarts_total{role="%s"} 1.0' % role in cc.get(port, "/metrics").decode()
+        restarts = f'pdserve_worker_restarts_total{{role="{role}"}} 1.0'
+        assert restarts in cc.get(port, "/metrics").decode()
         info = cc.wait_at_rest(port)
         assert info["ledger"]["active_requests"] == 0 and info["ledger"]["owned_blocks"] == 0
         assert all(w["used_blocks"] == 0 for w in info["workers"])

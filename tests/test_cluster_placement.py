@@ -1,0 +1,75 @@
+"""Placement and addresses on a local Ray: with `bind='node'` the coordinator's report socket and
+every decode worker's KV receiver bind on the node's own address (as Ray reports it), inside the
+configured ports, while the HTTP API stays on loopback; and with `model_distribution='always'` the
+workers load the checkpoint from the coordinator's copy in Ray's object store, fetched once per
+node (one worker fetches, the others reuse the node cache), with the local engine's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+
+import pytest
+
+pytest.importorskip("ray")
+
+import cluster_client as cc  # noqa: E402
+
+from coordinator.cluster import ClusterConfig  # noqa: E402
+from deploy.launch import ClusterServer  # noqa: E402
+from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_local, tmp_path):
+    import ray
+
+    from bench.engine import write_random_llama
+
+    checkpoint = write_random_llama(str(tmp_path / "llama"), seed=3)
+    event_port, kv_first = _free_port(), _free_port()
+    config = ClusterConfig(prefill=1, decode=2, model=checkpoint, num_blocks=64, bind="node",
+                           event_port=event_port, kv_port_min=kv_first, kv_port_max=kv_first + 20,
+                           model_distribution="always")
+    srv = ClusterServer(config)
+    try:
+        port = srv.start()
+        node = ray.util.get_node_ip_address()
+        assert node != "127.0.0.1"
+        assert srv.backend._pull.address == f"tcp://{node}:{event_port}"
+        workers = cc.cluster_info(port)["workers"]
+        for worker in (w for w in workers if w["role"] == "decode"):
+            host, kv_port = worker["address"][len("tcp://"):].rsplit(":", 1)
+            assert host == node and kv_first <= int(kv_port) <= kv_first + 20
+        sources = sorted(w["model_source"] for w in workers)
+        assert sources == ["node_cache", "node_cache", "object_store"]  # three workers, one node
+
+        local = LLMEngine(EngineConfig(model=checkpoint, num_blocks=64))
+        prompt = list(range(3, 40))
+        want = cc.reference(local, [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        got = cc.complete(port, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert [c["token_ids"] for c in got["choices"]] == want
+    finally:
+        published = dict(getattr(srv.backend, "_published", None) or {})
+        srv.stop()
+        _remove_node_cache(published)
+
+
+def _remove_node_cache(published: dict) -> None:
+    from runtime.model_store import CACHE_ROOT
+
+    for entry in published.values():
+        shutil.rmtree(os.path.join(CACHE_ROOT, entry["digest"]), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(CACHE_ROOT, entry["digest"] + ".lock"))
