@@ -2,8 +2,8 @@
 with every request answered with the local engine's tokens or failed cleanly (an error the client
 saw, never a wrong answer), the worker replaced after its backoff (it joins after the same
 handshake as at start, under the name "<slot>-r1"), the restart counted, the ledger at rest and no
-worker holding used blocks. One short-lived 1 prefill + 1 decode cluster per killed role, so the
-load cannot simply move to a sibling.
+worker holding used blocks. One short-lived 1 prefill + 1 decode (or 1 colocated) cluster per
+killed role, so the load cannot simply move to a sibling.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ def _answer(port: int, prompt: list[int]):
     return body["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("role", ["decode", "prefill"])
+@pytest.mark.parametrize("role", ["decode", "prefill", "colocated"])
 def test_sigkill_under_load_then_the_worker_is_replaced(ray_local, local_engine, role):
     want = cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
-    config = ClusterConfig(prefill=1, decode=1, num_blocks=128, heartbeat_timeout_s=3.0,
-                           restart_backoff_s=0.5)
+    config = ClusterConfig(prefill=1, decode=1, colocated=int(role == "colocated"), num_blocks=128,
+                           heartbeat_timeout_s=3.0, restart_backoff_s=0.5)
     srv = ClusterServer(config)
     try:
         port = srv.start()
