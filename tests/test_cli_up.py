@@ -18,7 +18,8 @@ pytest.importorskip("ray")
 
 def test_up_serves_and_stops_cleanly_on_sigterm():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pdserve_cli.main", "up", "--port", "0", "--num-blocks", "128"]
+    cmd = [sys.executable, "-m", "pdserve_cli.main", "up", "--model", "tiny", "--port", "0",
+           "--num-blocks", "128"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     seen = ""
