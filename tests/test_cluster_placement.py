@@ -73,3 +73,18 @@ def _remove_node_cache(published: dict) -> None:
         shutil.rmtree(os.path.join(CACHE_ROOT, entry["digest"]), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(CACHE_ROOT, entry["digest"] + ".lock"))
+
+
+def test_a_config_asking_for_more_gpus_than_the_cluster_has_is_refused_at_start(ray_local):
+    import asyncio
+
+    import ray
+
+    from coordinator.cluster import ClusterBackend
+
+    have = ray.cluster_resources().get("GPU", 0)
+    backend = ClusterBackend(ClusterConfig(prefill=1, decode=1, engine={"device": "cuda"},
+                                           gpus_per_worker=have + 1))
+    with pytest.raises(RuntimeError, match=r"asks for .* GPUs .* but the Ray cluster has"):
+        asyncio.run(backend.start())
+    assert backend.workers == {}  # refused before any worker was placed
