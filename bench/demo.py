@@ -106,7 +106,7 @@ def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model
         common = {"model": model, "temperature": 0.0, "max_tokens": 20}
         line = {**common, "stop": ["\n"]}
         for label, question in (("shared prefix A", "What is the capital of France?"),
-                                ("shared prefix B", "Which ocean is the largest?")):
+                                ("shared prefix B", "What is the longest river in Africa?")):
             _report(label, _post(base, {**line, "prompt": f"{prefix}Q: {question}\nA:"}))
         _report("n=2, seed 7", _post(base, {**common, "prompt": "Once upon a time", "n": 2,
                                             "temperature": 0.8, "seed": 7}))
