@@ -21,12 +21,14 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from coordinator.chat import CHAT, parse_chat_request
 from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
+from coordinator.guard import Admission, check_api_key
 from coordinator.metrics import CONTENT_TYPE, Metrics
 from coordinator.protocol import (
     APIError,
@@ -47,6 +49,10 @@ class HTTPConfig:
     max_n: int = MAX_N             # largest `n` accepted
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     stall_timeout_s: float = 60.0  # longest wait for the backend's next event before the request fails (504)
+    api_key: str | None = None     # bearer token every route but /health requires (None: no auth)
+    max_active: int = 256          # completion requests in flight; beyond, 429 with Retry-After
+    read_timeout_s: float = 30.0   # longest wait for a request body (a slow client gets 408)
+    write_timeout_s: float = 30.0  # longest wait for one streamed chunk to be taken by the client
     # once every choice finished here, how long to wait for the backend's closing FinalEvent before
     # closing its stream (which aborts the backend request)
     final_event_timeout_s: float = 1.0
@@ -55,10 +61,11 @@ class HTTPConfig:
 BACKEND = web.AppKey("backend", object)
 CONFIG = web.AppKey("config", HTTPConfig)
 METRICS = web.AppKey("metrics", Metrics)
+ADMISSION = web.AppKey("admission", Admission)
 
 
 def _error_response(e: APIError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    return web.json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
 
 
 def _status_label(status: int) -> str:
@@ -70,6 +77,7 @@ async def _errors(request: web.Request, handler):
     """Every failure leaves as the OpenAI error body."""
     metrics = request.app[METRICS]
     try:
+        check_api_key(request.app[CONFIG].api_key, request.path, request.headers.get("Authorization"))
         return await handler(request)
     except APIError as e:
         metrics.count_error(e.kind)
@@ -83,10 +91,11 @@ async def _errors(request: web.Request, handler):
         return web.json_response(body, status=e.status)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as e:
-        log.exception("unhandled error on %s", request.path)
+    except Exception:
+        incident = uuid.uuid4().hex[:12]  # the client gets this id; the log has the details
+        log.exception("unhandled error on %s (incident %s)", request.path, incident)
         metrics.count_error("internal")
-        return _error_response(InternalError(f"internal error: {type(e).__name__}: {e}"))
+        return _error_response(InternalError(f"internal error (incident {incident})"))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -108,17 +117,35 @@ async def _answer(request: web.Request, shape: ResponseFormat, parse) -> web.Str
     """One completion request, parsed by `parse(raw body, backend)` and answered in `shape`."""
     app = request.app
     backend, cfg, metrics = app[BACKEND], app[CONFIG], app[METRICS]
-    try:
-        creq = parse(await request.read(), backend)
-        names = backend.model_names()
+    names = backend.model_names()
+
+    def prepare(raw: bytes):  # NOTE: on a thread: templates and tokenizers must not stall the event loop
+        creq = parse(raw, backend)
         if creq.model and creq.model not in names:
             raise ModelNotFound(f"the model '{creq.model}' does not exist; this server serves: "
                                 f"{', '.join(names)}")
-        creq = resolve_prompt(creq, backend.tokenizer, backend.max_context, backend.vocab_size)
+        return resolve_prompt(creq, backend.tokenizer, backend.max_context, backend.vocab_size)
+
+    try:
+        try:
+            raw = await asyncio.wait_for(request.read(), cfg.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(reason=f"request body not received within {cfg.read_timeout_s:g}s") \
+                from None
+        creq = await asyncio.to_thread(prepare, raw)
+        app[ADMISSION].enter()
     except (APIError, web.HTTPException) as e:
         metrics.request_refused(_status_label(e.status))
         raise
-    model = creq.model or names[0]
+    try:
+        return await _run(request, creq, creq.model or names[0], shape)
+    finally:
+        app[ADMISSION].leave()
+
+
+async def _run(request: web.Request, creq, model: str, shape: ResponseFormat) -> web.StreamResponse:
+    app = request.app
+    backend, cfg, metrics = app[BACKEND], app[CONFIG], app[METRICS]
     metrics.request_admitted(len(creq.prompt_ids))
     run = CompletionRun(backend, cfg, metrics, creq)
     status = "aborted"
@@ -154,6 +181,14 @@ async def _whole(run: CompletionRun, model: str, shape: ResponseFormat) -> web.R
                               "pdserve": run.timing()})
 
 
+async def _write(resp: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """One chunk to a client that must take it within timeout_s (else the stream is dropped)."""
+    try:
+        await asyncio.wait_for(resp.write(data), timeout_s)
+    except asyncio.TimeoutError:
+        raise ConnectionResetError(f"the client took no data for {timeout_s:g}s") from None
+
+
 def _sse(obj) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
@@ -180,7 +215,7 @@ async def _stream(request: web.Request, run: CompletionRun, model: str,
                 if all(c.finish_reason is not None for c in run.choices):
                     last = chunk  # the final delta: held until the final event has been read
                 else:
-                    await resp.write(_sse(chunk))
+                    await _write(resp, _sse(chunk), request.app[CONFIG].write_timeout_s)
                 delta = await anext(it, None)
             last = last or {**head, "choices": []}
             last["usage"] = run.usage()
@@ -221,6 +256,7 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
     """The web app over `backend`; pass `metrics` to share one Metrics with a cluster backend."""
     app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
     app[BACKEND], app[CONFIG], app[METRICS] = backend, config, metrics or Metrics()
+    app[ADMISSION] = Admission(config.max_active)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)

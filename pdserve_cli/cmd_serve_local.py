@@ -8,6 +8,7 @@ joins). Bad arguments or a busy port exit with status 2 and a one-line message.
 
 from __future__ import annotations
 
+import os
 import sys
 
 NAME = "serve"
@@ -25,6 +26,9 @@ def add_arguments(p) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$PDSERVE_API_KEY; none: no auth)")
 
 
 def _fail(msg: str) -> int:
@@ -46,7 +50,7 @@ def run(args) -> int:
         backend = LocalEngineBackend(cfg, config=LocalBackendConfig(name=args.served_model_name))
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0])
-    app = make_app(backend, HTTPConfig(host=args.host, port=args.port))
+    app = make_app(backend, HTTPConfig(host=args.host, port=args.port, api_key=args.api_key))
 
     def ready(port: int) -> None:
         print(f"pdserve serve: model {backend.name!r} on http://{args.host}:{port}/v1 "

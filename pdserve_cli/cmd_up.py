@@ -12,6 +12,7 @@ exit with status 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 NAME = "up"
@@ -54,6 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--address", help="join this Ray cluster ('auto' or HOST:PORT) instead of starting a "
                    "local one")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default 2; ignored with --address)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$PDSERVE_API_KEY; none: no auth)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="the engines' device (default: the config's "
                    "engine.device, else cpu); cuda workers each ask Ray for gpus_per_worker GPUs")
 
@@ -93,11 +97,12 @@ def run(args) -> int:
     import signal
 
     from coordinator.cluster import ClusterConfig
+    from coordinator.http import HTTPConfig
     from deploy.launch import RayConfig, serve_cluster, start_ray, stop_ray
     from engine.gguf import is_gguf_spec, resolve_model_spec
 
     try:
-        device = getattr(args, "device", None)
+        device, api_key = getattr(args, "device", None), getattr(args, "api_key", None)
         args, extras = _settings(args)
         if device:  # the flag wins over the config file's engine.device
             extras["engine"] = {**extras.get("engine", {}), "device": device}
@@ -132,7 +137,8 @@ def run(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         try:
-            await serve_cluster(cfg, args.host, args.port, ready=ready)
+            http = HTTPConfig(host=args.host, port=args.port, api_key=api_key)
+            await serve_cluster(cfg, args.host, args.port, ready=ready, http_config=http)
         except asyncio.CancelledError:
             pass
 

@@ -74,9 +74,9 @@ def loop_on_thread():
     torch.set_num_threads(threads)
 
 
-def serve(loop, backend) -> Server:
+def serve(loop, backend, config: HTTPConfig | None = None) -> Server:
     """Start the HTTP app for `backend` on a free loopback port, on `loop`."""
-    app = make_app(backend, HTTPConfig(stall_timeout_s=30))
+    app = make_app(backend, config or HTTPConfig(stall_timeout_s=30))
     runner, port = asyncio.run_coroutine_threadsafe(start_server(app, "127.0.0.1", 0), loop).result(30)
     return Server(loop, backend, runner, port)
 

@@ -1,0 +1,56 @@
+"""The HTTP API's front door: bearer-token authentication and a bounded number of requests in
+flight. With an API key set (`--api-key` or `PDSERVE_API_KEY`), every route but `/health` wants
+`Authorization: Bearer KEY` and answers 401 otherwise (compared in constant time). Beyond
+`max_active` completion requests in flight a new one gets 429 with `Retry-After` at once,
+rather than joining an unbounded wait.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from coordinator.protocol import APIError
+
+
+class Unauthorized(APIError):
+    """401: a missing or wrong API key."""
+
+    status, type, kind = 401, "authentication_error", "unauthorized"
+
+
+class Overloaded(APIError):
+    """429: too many requests in flight; `retry_after_s` goes out as the Retry-After header."""
+
+    status, type, kind = 429, "rate_limit_error", "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+OPEN_PATHS = ("/health",)
+
+
+def check_api_key(api_key: str | None, path: str, authorization: str | None) -> None:
+    """Raise Unauthorized unless the route is open or the bearer token is the key."""
+    if not api_key or path in OPEN_PATHS:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+
+class Admission:
+    """Counts completion requests in flight; `enter` refuses beyond `max_active`."""
+
+    def __init__(self, max_active: int):
+        self.max_active, self.active, self.refused = max_active, 0, 0
+
+    def enter(self) -> None:
+        if self.active >= self.max_active:
+            self.refused += 1
+            raise Overloaded(f"{self.active} requests in flight, at most {self.max_active}: retry shortly")
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
