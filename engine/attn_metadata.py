@@ -13,31 +13,51 @@ the rest. Padded block-table entries point at the pool's null block when one is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import itertools
+from dataclasses import dataclass
 
 import torch
 
-# Decode sequences are grouped by length so that a group's padding (to its longest member) is
-# bounded: a sequence joins a group while it has at least this fraction of the group's blocks.
+# Decode sequences are grouped by length so that padding (to a group's longest member) stays
+# bounded: going down the lengths, a new group starts at a sequence with less than this fraction
+# of the group's blocks, if the padding it and the shorter ones would otherwise carry exceeds
+# the fixed cost of a group, which is about what attending this many key slots costs.
 DECODE_GROUP_RATIO = 0.5
+DECODE_GROUP_COST_SLOTS = 4096
+# Up to this many (query head x kv head) pairs, decode scores every query head against all kv
+# heads' keys in one batched matmul and masks the other heads out: Hkv times the arithmetic,
+# which is small next to the memory traffic at such sizes, for 1/Hkv of the calls. Past it, one
+# matmul pair per kv head.
+HEADS_AS_ROWS_LIMIT = 32
 
 
-@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor     # (T,) int64: physical slot (block * B + offset) of each new token
-    block_tables: torch.Tensor     # (S, max_blocks) int32, rows padded with the null block
-    seq_lens: torch.Tensor         # (S,) int32: context length after this step (cached + new)
-    query_start_loc: torch.Tensor  # (S + 1,) int32: cumulative new-token offsets, [0] == 0
-    max_query_len: int
-    max_seq_len: int
-    # Host copies (python ints) so the torch reference never syncs with the device.
-    seq_lens_host: list[int]
-    query_lens_host: list[int]
-    positions: torch.Tensor | None = None   # (T,) int64 absolute position of each new token
-    block_size: int = 0
-    null_block: int | None = None           # the pool's zeroed padding block (None: pad with 0)
-    tables_host: list[list[int]] = field(default_factory=list)  # unpadded block ids per sequence
-    torch_plan: TorchPlan | None = None     # engine.attn_torch's per-step plan, built on first use
+    """One step's batch. Host lists are exact and always there; the device tensors a kernel
+    needs are built from them on first use (the torch backend never asks for the padded table).
+
+    slot_mapping: (T,) int64 physical slot (block * B + offset) of each new token.
+    positions: (T,) int64 absolute position of each new token.
+    block_tables: (S, max_blocks) int32, rows padded with the null block (0 when none is given).
+    seq_lens: (S,) int32 context length after this step (cached + new).
+    query_start_loc: (S + 1,) int32 cumulative new-token offsets, [0] == 0.
+    """
+
+    def __init__(self, tables_host: list[list[int]], seq_lens_host: list[int], query_lens_host: list[int],
+                 block_size: int, device: torch.device, null_block: int | None, positions: list[int],
+                 slots: list[int]):
+        self.tables_host = tables_host          # unpadded block ids per sequence
+        self.seq_lens_host = seq_lens_host
+        self.query_lens_host = query_lens_host
+        self.block_size = block_size
+        self.device = device
+        self.null_block = null_block            # the pool's zeroed padding block
+        self.max_query_len = max(query_lens_host)
+        self.max_seq_len = max(seq_lens_host)
+        self.positions = torch.tensor(positions, dtype=torch.int64, device=device)  # (T,)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)  # (T,)
+        self.torch_plan: TorchPlan | None = None  # engine.attn_torch's per-step plan, built on first use
+        self.workspace = None                     # engine.attn_torch.Workspace the engine reuses, if any
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +67,22 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    @functools.cached_property
+    def block_tables(self) -> torch.Tensor:
+        width = max(len(t) for t in self.tables_host)
+        pad = 0 if self.null_block is None else self.null_block
+        return torch.tensor([t + [pad] * (width - len(t)) for t in self.tables_host], dtype=torch.int32,
+                            device=self.device)  # (S, W)
+
+    @functools.cached_property
+    def seq_lens(self) -> torch.Tensor:
+        return torch.tensor(self.seq_lens_host, dtype=torch.int32, device=self.device)  # (S,)
+
+    @functools.cached_property
+    def query_start_loc(self) -> torch.Tensor:
+        return torch.tensor(list(itertools.accumulate(self.query_lens_host, initial=0)), dtype=torch.int32,
+                            device=self.device)  # (S + 1,)
+
     @staticmethod
     def build(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
               block_size: int, device: torch.device | str = "cpu",
@@ -55,35 +91,22 @@ class AttentionMetadata:
         null_block: the block id padded table entries name (the engine passes its pool's)."""
         if not (len(block_tables) == len(seq_lens) == len(query_lens)):
             raise ValueError("block_tables, seq_lens and query_lens must have one entry per sequence")
+        B = block_size
+        positions: list[int] = []
+        slots: list[int] = []
         for table, n, q in zip(block_tables, seq_lens, query_lens):
-            if not 1 <= q <= n or len(table) * block_size < n:
-                raise ValueError(f"bad sequence: q_len {q}, seq_len {n}, {len(table)} blocks of {block_size}")
-        S, T = len(seq_lens), sum(query_lens)
-        width = max(len(t) for t in block_tables)
-        pad = 0 if null_block is None else null_block
-        tables = torch.tensor([t + [pad] * (width - len(t)) for t in block_tables],
-                              dtype=torch.int64)  # (S, W)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)  # (S,)
-        starts = torch.zeros(S + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=starts[1:])
-        if S == T:  # every sequence has one new token: its last position
-            seq_of = torch.arange(S)  # (T,)
-            positions = torch.tensor(seq_lens, dtype=torch.int64) - 1  # (T,)
-        else:
-            seq_of = torch.repeat_interleave(torch.arange(S), q_lens)  # (T,) sequence of each token
-            context = torch.tensor(seq_lens, dtype=torch.int64) - q_lens  # (S,)
-            positions = torch.arange(T) - starts[:-1][seq_of] + context[seq_of]  # (T,)
-        slots = tables[seq_of, positions // block_size] * block_size + positions % block_size  # (T,)
-        dev = torch.device(device)
-        return AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=tables.to(device=dev, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=starts.to(device=dev, dtype=torch.int32),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            seq_lens_host=list(seq_lens), query_lens_host=list(query_lens),
-            positions=positions.to(dev), block_size=block_size, null_block=null_block,
-            tables_host=[list(t) for t in block_tables])
+            if not 1 <= q <= n or len(table) * B < n:
+                raise ValueError(f"bad sequence: q_len {q}, seq_len {n}, {len(table)} blocks of {B}")
+            if q == 1:
+                positions.append(n - 1)
+                slots.append(table[(n - 1) // B] * B + (n - 1) % B)
+                continue
+            positions += range(n - q, n)
+            for j in range((n - q) // B, (n - 1) // B + 1):  # a run of slots per block touched
+                base = table[j] * B - j * B
+                slots += range(base + max(n - q, j * B), base + min(n, (j + 1) * B))
+        return AttentionMetadata([list(t) for t in block_tables], list(seq_lens), list(query_lens), B,
+                                 torch.device(device), null_block, positions, slots)
 
 
 @dataclass
@@ -93,7 +116,9 @@ class DecodeGroup:
     rows: slice | torch.Tensor  # their rows in the packed batch (a slice when consecutive)
     blocks: torch.Tensor        # (n * width,) int64 block ids, each sequence padded to `width`
     width: int                  # blocks per sequence in this group
-    bias: torch.Tensor          # (n, 1, width * B): 0 for the sequence's keys, -inf past its end
+    bias: torch.Tensor          # 0 for a visible key, -inf past the sequence's end (and, heads as
+                                # rows, for other kv heads): (n, Hq, width * B * Hkv) heads as
+                                # rows, else (n, 1, width * B)
 
 
 @dataclass
@@ -117,20 +142,22 @@ class TorchPlan:
     decode: list[DecodeGroup]
     prefill: list[PrefillSequence]
     decode_only: bool           # one group covering rows 0..T-1 in order: no output scatter
+    heads_as_rows: bool         # decode scores all heads in one matmul (see HEADS_AS_ROWS_LIMIT)
 
 
-def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: int) -> TorchPlan:
+def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: int, num_heads: int,
+                     num_kv_heads: int) -> TorchPlan:
     """The torch backend's per-step plan (the bias is in `dtype`, the attention's dtype)."""
     device = meta.slot_mapping.device
     B = block_size
-    tables = meta.tables_host or [row[:-(-n // B)] for row, n in zip(meta.block_tables.tolist(),
-                                                                      meta.seq_lens_host)]
+    tables = meta.tables_host
     starts = [0]
     for q in meta.query_lens_host:
         starts.append(starts[-1] + q)
     decode_seqs = [s for s, q in enumerate(meta.query_lens_host) if q == 1]
-    groups = _decode_groups(decode_seqs, starts, tables, meta.seq_lens_host, B, meta.null_block, dtype,
-                            device)
+    heads = (num_heads, num_kv_heads) if num_heads * num_kv_heads <= HEADS_AS_ROWS_LIMIT else None
+    groups = _decode_groups(decode_seqs, starts, tables, meta.seq_lens_host, B, meta.null_block, heads,
+                            dtype, device)
     prefill = []
     for s, q in enumerate(meta.query_lens_host):
         if q == 1:
@@ -145,18 +172,21 @@ def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: in
     T = starts[-1]
     decode_only = not prefill and len(groups) == 1 and groups[0].rows == slice(0, T)
     slots = meta.slot_mapping
-    return TorchPlan(slots // B, slots % B, groups, prefill, decode_only)
+    return TorchPlan(slots // B, slots % B, groups, prefill, decode_only, heads is not None)
 
 
 def _decode_groups(seqs: list[int], starts: list[int], tables: list[list[int]], seq_lens: list[int],
-                   B: int, null_block: int | None, dtype: torch.dtype, device) -> list[DecodeGroup]:
-    """Group one-query sequences by length; `starts[s]` is the row of sequence s."""
+                   B: int, null_block: int | None, heads: tuple[int, int] | None, dtype: torch.dtype,
+                   device) -> list[DecodeGroup]:
+    """Group one-query sequences by length; `starts[s]` is the row of sequence s; heads: (Hq, Hkv)
+    when heads are scored as rows."""
     by_len = sorted(seqs, key=lambda s: -seq_lens[s])
     members: list[list[int]] = []
     width = 0
-    for s in by_len:
+    for i, s in enumerate(by_len):
         nb = -(-seq_lens[s] // B)
-        if not members or nb < DECODE_GROUP_RATIO * width:
+        if not members or nb < DECODE_GROUP_RATIO * width and \
+                (width - nb) * B * (len(by_len) - i) > DECODE_GROUP_COST_SLOTS:
             members.append([])
             width = nb
         members[-1].append(s)
@@ -170,9 +200,17 @@ def _decode_groups(seqs: list[int], starts: list[int], tables: list[list[int]], 
             pad = null_block if null_block is not None else own[-1]  # masked either way
             flat += own + [pad] * (width - len(own))
         lens = torch.tensor([seq_lens[s] for s in group], device=device)  # (n,)
-        keys = torch.arange(width * B, device=device)  # (L,)
-        bias = torch.zeros((len(group), 1, width * B), dtype=dtype, device=device)  # (n, 1, L)
-        bias.masked_fill_((keys[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+        past = torch.arange(width * B, device=device)[None, :] >= lens[:, None]  # (n, L)
+        if heads is None:
+            bias = torch.zeros((len(group), 1, width * B), dtype=dtype, device=device)  # (n, 1, L)
+            bias.masked_fill_(past[:, None, :], float("-inf"))
+        else:
+            Hq, Hkv = heads
+            other = torch.arange(Hq, device=device)[:, None] // (Hq // Hkv) != \
+                torch.arange(Hkv, device=device)[None, :]  # (Hq, Hkv): key head is not the query's
+            hidden = past[:, None, :, None] | other[None, :, None, :]  # (n, Hq, L, Hkv)
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            bias = bias.view(len(group), Hq, width * B * Hkv)  # (n, Hq, L * Hkv), keys (token, head)
         rows_host = [starts[s] for s in group]
         first, last = rows_host[0], rows_host[-1]
         rows = slice(first, last + 1) if last - first + 1 == len(group) else \

@@ -20,6 +20,34 @@ import torch.nn.functional as F
 from engine.attn_metadata import AttentionMetadata, DecodeGroup, PrefillSequence, TorchPlan, build_torch_plan
 
 
+class Workspace:
+    """Scratch buffers for the K/V gathers, reused by every layer and step of one engine and
+    grown on demand: a fresh multi-megabyte tensor per gather costs page faults that, on CPU,
+    rival the attention arithmetic itself. Not thread-safe: one per engine."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of `shape` with `like`'s dtype and device (contents undefined)."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspace | None,
+            name: str) -> torch.Tensor:
+    """cache (N, B, Hkv, D) rows `blocks` -> (n, B, Hkv, D), into the workspace when there is one."""
+    if workspace is None:
+        return cache.index_select(0, blocks)
+    out = workspace.take(name, (blocks.shape[0], *cache.shape[1:]), cache)
+    return torch.index_select(cache, 0, blocks, out=out)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """key/value: (T, Hkv, D); k_cache/v_cache: (N, B, Hkv, D) strided views; slot_mapping: (T,)."""
@@ -32,61 +60,72 @@ def _store(key, value, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Te
     v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
 
 
-def _plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: int) -> TorchPlan:
+def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> TorchPlan:
     plan = meta.torch_plan
-    if plan is None or plan.decode and plan.decode[0].bias.dtype != dtype:
-        plan = meta.torch_plan = build_torch_plan(meta, dtype, block_size)
+    if plan is None or plan.decode and plan.decode[0].bias.dtype != q.dtype:
+        plan = meta.torch_plan = build_torch_plan(meta, q.dtype, k_cache.shape[1], q.shape[1],
+                                                  k_cache.shape[2])
     return plan
 
 
 def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store the step's K/V (T, Hkv, D) into their slots, then attend: q (T, Hq, D) -> (T, Hq, D)."""
-    plan = _plan(meta, q.dtype, k_cache.shape[1])
+    plan = _plan(meta, q, k_cache)
     _store(key, value, k_cache, v_cache, plan.slot_blocks, plan.slot_offsets)
-    return _attend(q, key, value, k_cache, v_cache, plan, scale)
+    return _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, Hq, D) -> (T, Hq, D); causal over each sequence's paged history (K/V stored already)."""
-    return _attend(q, None, None, k_cache, v_cache, _plan(meta, q.dtype, k_cache.shape[1]), scale)
+    return _attend(q, None, None, k_cache, v_cache, _plan(meta, q, k_cache), scale,
+                   meta.workspace)
 
 
-def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float) -> torch.Tensor:
+def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float,
+            workspace: Workspace | None) -> torch.Tensor:
     if plan.decode_only:
-        return _decode(q, k_cache, v_cache, plan.decode[0], scale)
+        return _decode(q, k_cache, v_cache, plan.decode[0], plan.heads_as_rows, scale, workspace)
     out = torch.empty_like(q)  # (T, Hq, D)
     for group in plan.decode:
-        o = _decode(q[group.rows], k_cache, v_cache, group, scale)  # (n, Hq, D)
+        o = _decode(q[group.rows], k_cache, v_cache, group, plan.heads_as_rows, scale,
+                    workspace)  # (n, Hq, D)
         if isinstance(group.rows, slice):
             out[group.rows] = o
         else:
             out.index_copy_(0, group.rows, o)
     for seq in plan.prefill:
-        out[seq.start:seq.end] = _prefill(q, key, value, k_cache, v_cache, seq, scale)
+        out[seq.start:seq.end] = _prefill(q, key, value, k_cache, v_cache, seq, scale, workspace)
     return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-            scale: float) -> torch.Tensor:
+            heads_as_rows: bool, scale: float, workspace: Workspace | None) -> torch.Tensor:
     """q: (n, Hq, D), one query per sequence of the group -> (n, Hq, D)."""
     n, Hq, D = q.shape
     _, B, Hkv, _ = k_cache.shape
-    G = Hq // Hkv
     L = group.width * B
-    k = k_cache.index_select(0, group.blocks).view(n, L, Hkv, D)  # (n, L, Hkv, D)
-    v = v_cache.index_select(0, group.blocks).view(n, L, Hkv, D)  # (n, L, Hkv, D)
+    k = _gather(k_cache, group.blocks, workspace, "key")  # (n * width, B, Hkv, D)
+    v = _gather(v_cache, group.blocks, workspace, "value")  # (n * width, B, Hkv, D)
+    if heads_as_rows:  # keys ordered (token, head); the bias hides the other kv heads
+        keys = k.view(n, L * Hkv, D).transpose(1, 2)  # (n, D, L Hkv)
+        scores = torch.baddbmm(group.bias, q, keys, alpha=scale)  # (n, Hq, L Hkv)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        return torch.bmm(probs, v.view(n, L * Hkv, D))  # (n, Hq, D)
+    k, v = k.view(n, L, Hkv, D), v.view(n, L, Hkv, D)  # (n, L, Hkv, D)
+    G = Hq // Hkv
     outs = []
     for h in range(Hkv):  # the G query heads of kv head h are G query rows against its keys
         scores = torch.baddbmm(group.bias, q[:, h * G:(h + 1) * G], k[:, :, h].transpose(1, 2),
                                alpha=scale)  # (n, G, L)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (n, G, L)
         outs.append(torch.bmm(probs, v[:, :, h]))  # (n, G, D)
-    return outs[0] if Hkv == 1 else torch.cat(outs, dim=1)  # (n, Hq, D)
+    return torch.cat(outs, dim=1)  # (n, Hq, D)
 
 
-def _prefill(q, key, value, k_cache, v_cache, seq: PrefillSequence, scale: float) -> torch.Tensor:
+def _prefill(q, key, value, k_cache, v_cache, seq: PrefillSequence, scale: float,
+             workspace: Workspace | None) -> torch.Tensor:
     """Causal attention of one sequence's new tokens -> (Q, Hq, D)."""
     Hq, Hkv = q.shape[1], k_cache.shape[2]
     qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, Q, D)
@@ -95,8 +134,8 @@ def _prefill(q, key, value, k_cache, v_cache, seq: PrefillSequence, scale: float
         vs = value[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, Q, D)
     else:
         D = k_cache.shape[3]
-        ks = k_cache.index_select(0, seq.blocks).view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
-        vs = v_cache.index_select(0, seq.blocks).view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
+        ks = _gather(k_cache, seq.blocks, workspace, "key").view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
+        vs = _gather(v_cache, seq.blocks, workspace, "value").view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
     o = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=seq.mask,
                                        is_causal=seq.mask is None, scale=scale,

@@ -3,8 +3,11 @@
 Layout `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (2 = key, value) keeps
 one block's payload, across all layers, in one contiguous byte range. Migration can therefore
 send a block straight from pool memory, and physically adjacent blocks coalesce into one frame.
-Attention kernels read a layer through `layer_view`, a strided view, so they do not care.
-This module holds tensors only: it knows nothing of ids, ref counts or requests.
+Attention kernels read a layer through `layer_view`, a strided view, so they do not care. An
+engine pool also keeps one zeroed null block after the last real one (`null_block=True`): padded
+block-table entries point there, never at a live block, and it is outside `data`, so no
+allocator, swap or transfer ever sees it. This module holds tensors only: it knows nothing of
+ids, ref counts or requests.
 """
 
 from __future__ import annotations
@@ -103,15 +106,19 @@ class KVStorage:
     """The pool tensor plus helpers to read and write it by block or by slot."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, null_block: bool = False):
+        """null_block: keep one extra zeroed block at id `num_blocks` (see `null_block_id`)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        # (N, L, 2, B, H, D)
-        self.data = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.torch_dtype,
-                                device=self.device, pin_memory=pin_memory and self.device.type == "cpu")
+        # (N + 1, L, 2, B, H, D) with a null block, else (N, L, 2, B, H, D)
+        self._blocks = torch.zeros((num_blocks + int(null_block), *layout.block_shape()),
+                                   dtype=layout.torch_dtype, device=self.device,
+                                   pin_memory=pin_memory and self.device.type == "cpu")
+        self.data = self._blocks[:num_blocks]  # (N, L, 2, B, H, D): the real blocks only
+        self.null_block_id: int | None = num_blocks if null_block else None
 
     @property
     def num_slots(self) -> int:
@@ -127,10 +134,11 @@ class KVStorage:
             raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
 
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided (N, B, H, D) views of one layer's keys and values."""
+        """Strided (N, B, H, D) views of one layer's keys and values ((N + 1, B, H, D) with the
+        null block, which attention may read as padding; it stays zero because no slot is in it)."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.layout.num_layers - 1}")
-        return self.data[:, layer, 0], self.data[:, layer, 1]
+        return self._blocks[:, layer, 0], self._blocks[:, layer, 1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst inside this pool (copy-on-write)."""
