@@ -1,11 +1,13 @@
 """The single-process engine: continuous batching over the paged KV cache.
 
-`LLMEngine.step()` asks the scheduler for this step's sequences, runs one packed (varlen)
-forward over prefill chunks and decode tokens together, samples, and reports new tokens per
-sequence. The same engine serves three roles: `colocated` (both phases, the baseline),
-`prefill` (stop after the first token and hold the blocks for export) and `decode` (take
-requests whose KV was imported and keep generating). Nothing here knows about transports, Ray
-or HTTP.
+`LLMEngine.step()` asks the scheduler for this step's tokens (one per decoding sequence, plus
+prefill chunks within the token budget), runs one packed (varlen) forward with the decode rows
+first, computes logits only for sequences whose every token is now computed, samples all of
+them at once, and reports new tokens per sequence. The same engine serves three roles:
+`colocated` (both phases, the baseline), `prefill` (stop after the first token and hold the
+blocks for export; `computed_blocks` tells, step by step, which blocks a long prompt has
+finished) and `decode` (take requests whose KV was imported and keep generating). Nothing here
+knows about transports, Ray or HTTP.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import torch
 
 from engine.attention import get_backend
 from engine.attn_metadata import AttentionMetadata
+from engine.attn_torch import Workspace
 from engine.beam import beam_step, best_hypotheses
 from engine.identity import model_identity
-from engine.sampling import SamplingParams, StopChecker, cut_at_stop, sample_token
+from engine.sampling import SamplingParams, StopChecker, cut_at_stop, sample_batch
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Request, Sequence, Status, StepOutput
 from kvcache import BlockAllocator, KVCacheManager, KVStorage
+from kvcache.storage import dtype_name
 
 ROLES = ("colocated", "prefill", "decode")
 
@@ -71,18 +75,19 @@ class LLMEngine:
             loaded = load_model(config.model, device=config.device, dtype=config.dtype, backend=self.backend)
         self.model, self.model_config, self.tokenizer = loaded
         self.model_id = model_identity(self.model_config, self.model)
-        layout = self.model_config.kv_layout(config.block_size, _dtype_name(self.model), self.model_id)
-        self.storage = KVStorage(layout, config.num_blocks, device=self.device)
-        host = None
-        if config.num_host_blocks > 0:
-            host = KVStorage(layout, config.num_host_blocks, device="cpu",
-                             pin_memory=self.device.type == "cuda")
+        kv_dtype = dtype_name(next(self.model.parameters()).dtype)
+        layout = self.model_config.kv_layout(config.block_size, kv_dtype, self.model_id)
+        self.storage = KVStorage(layout, config.num_blocks, device=self.device, null_block=True)
+        host = None if config.num_host_blocks <= 0 else \
+            KVStorage(layout, config.num_host_blocks, device="cpu", pin_memory=self.device.type == "cuda")
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,
                                  config.enable_prefix_caching, host)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.workspace = Workspace()  # the torch attention's gather buffers, reused every step
         self.requests: dict[str, Request] = {}
         self.prefilled: dict[str, Request] = {}  # prefill role: first token out, blocks held
         self.steps = 0
+        self.last_step_prefill_tokens = 0  # prefill tokens the last step computed (0: decode only)
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -119,6 +124,8 @@ class LLMEngine:
     def add_imported(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      seqs: list[Sequence]) -> None:
         """Decode role: sequences whose prompt KV is already adopted by `self.kv` under their seq_id."""
+        for s in seqs:
+            s.num_computed = self.kv.table(s.seq_id).num_computed
         req = Request(request_id, list(prompt_ids), params, self._stop_checker(params), time.monotonic(),
                       seqs=seqs, forked=True)
         self.requests[request_id] = req
@@ -143,77 +150,100 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def computed_blocks(self, request_id: str) -> dict[int, list[int]]:
+        """Per sequence index, its blocks whose K/V are complete (what a streamed migration could ship)."""
+        req = self.requests.get(request_id) or self.prefilled[request_id]
+        return {s.index: self.kv.table(s.seq_id).blocks[:s.num_computed // self.config.block_size]
+                for s in req.seqs if s.seq_id in self.kv.tables}
+
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
         self.steps += 1
-        rows = self._forward(plan)
+        self.last_step_prefill_tokens = sum(n for _, _, n in plan.prefill)
+        ready, logits = self._forward(plan)
+        by_req: dict[str, tuple[Request, dict[int, int]]] = {}  # request id -> (request, seq_id -> row)
+        for i, (req, s) in enumerate(ready):
+            by_req.setdefault(req.request_id, (req, {}))[1][s.seq_id] = i
         outputs: list[StepOutput] = []
-        by_req: dict[str, list[Sequence]] = {}
-        for req, seq in plan.prefill + plan.decode:
-            by_req.setdefault(req.request_id, []).append(seq)
-        for rid in by_req:
-            req = self.requests[rid]
+        batch: list[tuple[Request, Sequence, int]] = []  # (request, sequence, logits row) to sample
+        for req, row_of in by_req.values():
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if req.is_beam:
-                beam_step(req, rows, self.kv)
+                beam_step(req, {seq_id: logits[i] for seq_id, i in row_of.items()}, self.kv)
                 if not req.seqs:
                     outputs += self._finish_beam(req)
-            else:
-                outputs += self._sample_request(req, rows)
+                continue
+            if not req.forked:
+                self._fork(req, row_of)
+            batch += [(req, s, row_of[s.seq_id]) for s in req.live_seqs if s.seq_id in row_of]
+        if batch:
+            outputs += self._sample(batch, logits)
         return outputs
 
-    def _forward(self, plan: Schedule) -> dict[int, torch.Tensor]:
-        """One packed forward; returns the last-position logits (V,) of each scheduled sequence."""
-        tables, seq_lens, q_lens, ids, pos, order = [], [], [], [], [], []
-        for _, s in plan.prefill + plan.decode:
+    def _forward(self, plan: Schedule) -> tuple[list[tuple[Request, Sequence]], torch.Tensor]:
+        """One packed forward (decode rows first). Returns the sequences now fully computed and
+        their last-position logits (R, V) float32, row r for sequence r."""
+        entries = [(req, s, 1) for req, s in plan.decode] + plan.prefill
+        tables, seq_lens, q_lens, ids, ready, rows = [], [], [], [], [], []
+        for req, s, n in entries:
             t = self.kv.table(s.seq_id)
-            start, end = t.num_computed, t.num_tokens
+            start = t.num_computed
             tables.append(t.blocks)
-            seq_lens.append(end)
-            q_lens.append(end - start)
-            ids += t.token_ids[start:end]
-            pos += range(start, end)
-            order.append(s.seq_id)
-        meta = AttentionMetadata.build(tables, seq_lens, q_lens, self.config.block_size, self.device)
+            seq_lens.append(start + n)
+            q_lens.append(n)
+            ids += t.token_ids[start:start + n]
+            if start + n == s.num_tokens:  # its last token is in: its logits pick the next one
+                ready.append((req, s))
+                rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(tables, seq_lens, q_lens, self.config.block_size, self.device,
+                                       null_block=self.storage.null_block_id)
+        meta.workspace = self.workspace
         with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor(ids, device=self.device),  # (T, hidden)
-                                        torch.tensor(pos, device=self.device), self.storage, meta)
-            last = meta.query_start_loc[1:].long() - 1  # (S,)
-            logits = self.model.compute_logits(hidden[last]).float()  # (S, V)
-        for sid, n in zip(order, seq_lens):
-            self.kv.mark_computed(sid, n)
-        return dict(zip(order, logits))
+            hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions,
+                                        self.storage, meta)  # (T, hidden)
+            if len(rows) < len(ids):
+                hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]  # (R, hidden)
+            logits = self.model.compute_logits(hidden).float()  # (R, V)
+        for (_, s, _), n in zip(entries, seq_lens):
+            self.kv.mark_computed(s.seq_id, n)
+            s.num_computed = n
+        return ready, logits
 
-    def _sample_request(self, req: Request, rows: dict[int, torch.Tensor]) -> list[StepOutput]:
-        p = req.params
-        if not req.forked:
-            parent = req.seqs[0]
-            row = rows[parent.seq_id]
-            for i in range(1, req.width):
-                child = Sequence(i, list(parent.prompt_ids), list(parent.output_ids))
-                self.kv.fork(parent.seq_id, child.seq_id)
-                req.seqs.append(child)
-                rows[child.seq_id] = row
-            req.forked = True
-        outs = []
-        for s in req.live_seqs:
-            if s.seq_id not in rows:
-                continue
-            tok = sample_token(rows[s.seq_id], p, s.index, len(s.output_ids))
+    def _fork(self, req: Request, row_of: dict[int, int]) -> None:
+        """n > 1: after the prompt's first logits, the children share its blocks and its row."""
+        parent = req.seqs[0]
+        for i in range(1, req.width):
+            child = Sequence(i, list(parent.prompt_ids), list(parent.output_ids),
+                             num_computed=parent.num_computed)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)
+            row_of[child.seq_id] = row_of[parent.seq_id]
+        req.forked = True
+
+    def _sample(self, batch: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> list[StepOutput]:
+        rows = [r for _, _, r in batch]
+        if rows != list(range(len(logits))):
+            logits = logits[torch.tensor(rows, device=logits.device)]  # (len(batch), V)
+        tokens = sample_batch(logits, [req.params for req, _, _ in batch], [s.index for _, s, _ in batch],
+                              [len(s.output_ids) for _, s, _ in batch])
+        outs: list[StepOutput] = []
+        done: dict[str, Request] = {}
+        for (req, s, _), tok in zip(batch, tokens):
             s.output_ids.append(tok)
-            text = self._text(s) if p.stop else None
-            s.finish_reason = req.stop.check(s.output_ids, text)
+            s.finish_reason = req.stop.check_sequence(s.output_ids, s.decoded, self.tokenizer)
             if s.finish_reason is not None:
                 self.kv.free(s.seq_id)
             outs.append(StepOutput(req.request_id, s.index, [tok], s.finished, s.finish_reason))
-        if all(s.finished for s in req.seqs):
-            self._retire(req)
-        elif self.config.role == "prefill":
-            self._retire(req, keep_blocks=True)
+            done[req.request_id] = req
+        for req in done.values():
+            if all(s.finished for s in req.seqs):
+                self._retire(req)
+            elif self.config.role == "prefill":
+                self._retire(req, keep_blocks=True)
         return outs
 
     def _finish_beam(self, req: Request) -> list[StepOutput]:
@@ -241,12 +271,9 @@ class LLMEngine:
     def _stop_checker(self, params: SamplingParams) -> StopChecker:
         return StopChecker(params, tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
 
-    def _text(self, s: Sequence) -> str:
-        return self.tokenizer.decode(s.output_ids) if self.tokenizer is not None else ""
-
     def choice(self, s: Sequence, params: SamplingParams) -> dict:
         """One OpenAI-style choice for a finished sequence (text cut at a stop string)."""
-        text = self._text(s)
+        text = self.tokenizer.decode(s.output_ids) if self.tokenizer is not None else ""
         if params.stop:
             text = cut_at_stop(text, params.stop)
         return {"index": s.index, "text": text, "token_ids": list(s.output_ids),
@@ -265,14 +292,7 @@ class LLMEngine:
             self.step()
         else:
             raise RuntimeError(f"generate did not finish within {max_steps} steps")
-        out = []
-        for rid, (p, _) in reqs.items():
-            req = live[rid]
-            choices = [self.choice(s, req.params) for s in sorted(req.seqs, key=lambda s: s.index)]
-            out.append(Completion(rid, p, choices))
-        return out
+        return [Completion(rid, p, [self.choice(s, live[rid].params) for s in sorted(live[rid].seqs,
+                                                                                  key=lambda s: s.index)])
+                for rid, (p, _) in reqs.items()]
 
-
-def _dtype_name(model: torch.nn.Module) -> str:
-    dt = next(model.parameters()).dtype
-    return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dt]

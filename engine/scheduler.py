@@ -1,11 +1,17 @@
-"""Iteration-level scheduler: which requests run in the next step, and who gets preempted.
+"""Iteration-level scheduler with chunked prefill: which tokens run in the next step, and who
+gets preempted.
 
-Each step it (1) gives every running sequence a slot for its newest token, preempting the
-latest-arrived running requests when blocks run out (recompute: drop the blocks and requeue;
-swap: move them to the host pool); (2) swaps requests back in while blocks allow; (3) admits
-waiting requests first-come first-served while blocks, the per-step prefill-token budget and
-max_num_seqs allow. Requests move as a whole (all their sequences), so a sequence group never
-half-runs. It returns the sequences to compute; the engine runs the model on them.
+A step has a token budget (`max_num_batched_tokens`), spent as in vLLM v1 / Sarathi: (1) every
+running sequence that has sampled a token gets a slot for it and costs one token, the latest-
+arrived running requests preempted when blocks run out (recompute: drop the blocks and requeue;
+swap: move them to the host pool); (2) running requests whose prompt is not fully computed yet
+continue it with a chunk of what the budget has left; (3) swapped requests come back while
+blocks allow; (4) waiting requests are admitted first-come first-served while blocks,
+max_num_seqs and the budget allow, each starting with a chunk. A long prompt therefore shares
+steps with running decodes instead of stalling them. An admitted request's blocks are all
+allocated at admission; its table's `num_computed` says how far its prefill has come. Requests
+move as a whole (all their sequences); one with several live sequences (a recompute after n > 1
+or beam forks) prefills in one piece, so its sequences sample together.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerConfig:
-    """max_num_seqs: sequences resident at once; max_num_batched_tokens: prefill tokens per
-    step (a single longer prompt still runs, alone); preemption_mode: 'recompute' or 'swap'."""
+    """max_num_seqs: sequences resident at once; max_num_batched_tokens: tokens per step (one per
+    decoding sequence plus prefill chunks); enable_chunked_prefill: split prompts across steps
+    (off: a prompt prefills whole, alone when it is over the budget); preemption_mode:
+    'recompute' or 'swap'."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -38,12 +47,16 @@ class SchedulerConfig:
 
 @dataclass
 class Schedule:
-    prefill: list[tuple[Request, Sequence]] = field(default_factory=list)
-    decode: list[tuple[Request, Sequence]] = field(default_factory=list)
+    decode: list[tuple[Request, Sequence]] = field(default_factory=list)  # one new token each
+    prefill: list[tuple[Request, Sequence, int]] = field(default_factory=list)  # (.., tokens this step)
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, _, n in self.prefill)
 
 
 class Scheduler:
@@ -73,25 +86,42 @@ class Scheduler:
             if req in q:
                 q.remove(req)
 
+    def uncomputed(self, seq: Sequence) -> int:
+        """Tokens of the sequence that have a slot but no K/V yet."""
+        table = self.kv.table(seq.seq_id)
+        return table.num_tokens - table.num_computed
+
     # ---- the step's plan ----------------------------------------------------------------
     def schedule(self) -> Schedule:
         plan = Schedule()
-        preempted = self._grow_running(plan)
+        preempted, prefilling = self._grow_running(plan)
+        budget = self.config.max_num_batched_tokens - len(plan.decode)
+        budget = self._continue_prefills(plan, prefilling, budget)
         if not preempted:
             self._swap_in()
         if not preempted and not self.swapped:
-            self._admit(plan)
+            self._admit(plan, budget)
         return plan
 
-    def _grow_running(self, plan: Schedule) -> bool:
-        """Give each running sequence a slot for its newest token; preempt on shortage."""
+    def _grow_running(self, plan: Schedule) -> tuple[bool, list[Request]]:
+        """Give each sequence that sampled a token a slot for it; preempt on shortage. Returns
+        whether it preempted, and the running requests that still have prompt tokens to compute."""
         preempted = False
+        prefilling: list[Request] = []
         self.running.sort(key=lambda r: r.arrival)
+        tables = self.kv.tables
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            seqs = [s for s in req.live_seqs if self.kv.table(s.seq_id).num_tokens < s.num_tokens]
-            need = sum(self.kv.blocks_needed_to_append(s.seq_id, 1) for s in seqs)
+            grow, pending = [], False
+            for s in req.seqs:
+                if s.finish_reason is None:
+                    table = tables[s.seq_id]
+                    if table.num_tokens < s.num_tokens:
+                        grow.append(s)
+                    elif table.num_computed < table.num_tokens:
+                        pending = True
+            need = sum(self.kv.blocks_needed_to_append(s.seq_id, 1) for s in grow)
             while need > self.kv.allocator.num_available and self.running[-1] is not req:
                 self._preempt(self.running.pop())
                 preempted = True
@@ -100,29 +130,51 @@ class Scheduler:
                 self._preempt(req)
                 preempted = True
                 continue
-            for s in seqs:
-                if not self.kv.append(s.seq_id, s.token_ids[self.kv.table(s.seq_id).num_tokens:]):
+            for s in grow:
+                table = tables[s.seq_id]
+                if not self.kv.append(s.seq_id, s.output_ids[table.num_tokens - s.num_tokens:]):
                     raise RuntimeError("append failed after the availability check")
-                plan.decode.append((req, s))
+                if table.num_tokens - table.num_computed == 1:
+                    plan.decode.append((req, s))
+                else:
+                    pending = True
+            if pending:
+                prefilling.append(req)
             i += 1
-        return preempted
+        return preempted, prefilling
+
+    def _continue_prefills(self, plan: Schedule, prefilling: list[Request], budget: int) -> int:
+        """Next chunks of running requests whose prompt is not fully computed; returns the budget left."""
+        decoding = {s.seq_id for _, s in plan.decode}
+        for req in prefilling:
+            seqs = [s for s in req.live_seqs if s.seq_id not in decoding and self.uncomputed(s) > 0]
+            if seqs and budget > 0:
+                budget = self._add_chunks(plan, req, seqs, budget, alone_ok=False)
+        return budget
+
+    def _add_chunks(self, plan: Schedule, req: Request, seqs: list[Sequence], budget: int,
+                    alone_ok: bool) -> int:
+        """Schedule the request's uncomputed tokens within `budget`; returns the budget left. A
+        request that cannot be split runs whole only if it fits, or alone (alone_ok, empty plan)."""
+        want = [self.uncomputed(s) for s in seqs]
+        if self.config.enable_chunked_prefill and len(seqs) == 1:
+            take = min(want[0], budget)
+            plan.prefill.append((req, seqs[0], take))
+            return budget - take
+        if sum(want) > budget and not (alone_ok and plan.empty):
+            return budget
+        plan.prefill += [(req, s, n) for s, n in zip(seqs, want)]
+        return budget - sum(want)
 
     def _preempt(self, req: Request) -> None:
         req.num_preemptions += 1
         self.preemptions += 1
         if self.config.preemption_mode == "swap":
-            done = []
-            for s in req.live_seqs:
-                if not self.kv.swap_out(s.seq_id):
-                    break
-                done.append(s)
-            if len(done) == len(req.live_seqs):
+            if self.kv.swap_out_group([s.seq_id for s in req.live_seqs]):
                 req.status = Status.SWAPPED
                 self.swapped.append(req)
                 return
-            for s in done:  # host pool full: undo nothing, fall back to recompute, count it
-                self.kv.free(s.seq_id)
-            self.swap_fallbacks += 1
+            self.swap_fallbacks += 1  # host pool full: recompute instead, and count it
             log.warning("swap space full: request %s preempted by recompute instead", req.request_id)
         for s in req.live_seqs:
             if s.seq_id in self.kv.tables:
@@ -131,40 +183,42 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _swap_in(self) -> None:
+        """Bring swapped requests back while their blocks fit with one block to spare for every
+        running sequence (each may need a new block for its next token)."""
         while self.swapped:
             req = self.swapped[0]
-            need = sum(len(self.kv.table(s.seq_id).blocks) for s in req.live_seqs)
-            if need + len(self.running) > self.kv.allocator.num_available:
+            ids = [s.seq_id for s in req.live_seqs]
+            need = self.kv.swap_in_blocks(ids)
+            reserve = sum(len(r.live_seqs) for r in self.running) + len(req.live_seqs)
+            if need + reserve > self.kv.allocator.num_available:
                 return
-            for s in req.live_seqs:
-                if not self.kv.swap_in(s.seq_id):
-                    raise RuntimeError("swap-in failed after the availability check")
+            if not self.kv.swap_in_group(ids):
+                raise RuntimeError("swap-in failed after the availability check")
             self.swapped.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
 
-    def _admit(self, plan: Schedule) -> None:
-        budget = self.config.max_num_batched_tokens
+    def _admit(self, plan: Schedule, budget: int) -> None:
         resident = sum(len(r.live_seqs) for r in self.running)
-        while self.waiting:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
             seqs = req.live_seqs
             if resident + max(len(seqs), req.width) > self.config.max_num_seqs:
                 return
-            got: list[tuple[Sequence, int]] = []
+            got: list[Sequence] = []
             for s in seqs:
-                cached = self.kv.allocate(s.seq_id, s.token_ids)
-                if cached is None:
+                if self.kv.allocate(s.seq_id, s.token_ids) is None:
                     break
-                got.append((s, cached))
-            new_tokens = sum(s.num_tokens - c for s, c in got)
-            if len(got) < len(seqs) or (plan.prefill and new_tokens > budget):
-                for s, _ in got:
+                got.append(s)
+            left = budget if len(got) == len(seqs) else None
+            if left is not None:
+                left = self._add_chunks(plan, req, seqs, budget, alone_ok=True)
+            if left is None or left == budget and any(self.uncomputed(s) for s in seqs):
+                for s in got:
                     self.kv.free(s.seq_id)
                 return
-            budget -= new_tokens
+            budget = left
             resident += len(seqs)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            plan.prefill += [(req, s) for s in seqs]

@@ -13,7 +13,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams, StopChecker
+from engine.sampling import DecodedText, SamplingParams, StopChecker
 
 _ids = itertools.count()
 
@@ -35,11 +35,18 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     finish_reason: str | None = None
     cum_logprob: float = 0.0     # beam search score (sum of token log-probs)
-    text: str = ""               # decoded output (only when the engine has a tokenizer)
+    num_computed: int = 0        # tokens whose K/V are in the cache after the last step (prefill
+                                 # progress: blocks below num_computed // block_size are complete)
+    decoded: DecodedText = field(default_factory=DecodedText)  # output text, for stop strings
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def text(self) -> str:
+        """Output text decoded so far (kept only while stop strings are checked)."""
+        return self.decoded.text
 
     @property
     def num_tokens(self) -> int:
