@@ -69,6 +69,7 @@ class ClusterBackend(LifecycleMixin, FailoverMixin, ReportsMixin):
         self._joining: dict = {}                     # replacement workers not yet handshaken
         self.bind_host = "127.0.0.1"                 # where the report socket binds (set at start)
         self._published: dict = {}                   # model path -> its copy in the object store
+        self.keys = None                             # the cluster's protocol.curve.ClusterKeys (start)
         self._tasks: set[asyncio.Task] = set()
         self._reader = self._monitor_task = self._pull = None
 

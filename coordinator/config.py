@@ -41,6 +41,7 @@ class ClusterConfig:
     reserve_wait_s: float = 30.0      # longest wait for decode room before 503 "decode workers full"
     decode_model: str = ""            # decode workers' model ('': model); another model is refused
     gpus_per_worker: float = 1.0      # GPUs each worker asks Ray for when its engine device is cuda
+    secure: bool = True               # cluster keys: CURVE on the report socket, signed KV handshakes
     # how a checkpoint path reaches the workers (runtime.model_store): 'auto' (a node without the files
     # loads the coordinator's copy from Ray's object store, once per node), 'always', or 'never'
     model_distribution: str = "auto"

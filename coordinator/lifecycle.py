@@ -18,6 +18,7 @@ import time
 
 from coordinator.protocol import ServiceUnavailable
 from coordinator.workers import call, command, spawn_worker, spawn_workers
+from protocol.curve import ClusterKeys
 from protocol.messages import Connect, Describe
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,12 @@ class LifecycleMixin:
         c = self.config
         self._check_gpus()
         self.bind_host = self._bind_host()
-        self._pull = PullQueue(f"tcp://{self.bind_host}:{c.event_port}", create=True)
+        self.keys = ClusterKeys.generate() if c.secure else None  # handed to the workers through Ray
+        self._pull = PullQueue(f"tcp://{self.bind_host}:{c.event_port}", create=True, keys=self.keys)
         self._reader = asyncio.create_task(self._read_reports())
         self._published = self._publish_models()
         self.workers.update(spawn_workers(c, self._pull.address, self.namespace, self._kv_host(),
-                                          self._published))
+                                          self._published, self.keys))
         try:
             infos = await asyncio.wait_for(asyncio.gather(
                 *(self._describe(worker) for worker in self.workers.values())), c.start_timeout_s)
@@ -142,7 +144,7 @@ class LifecycleMixin:
         recent.append(time.monotonic())
         ray.kill(dead.handle, no_restart=True)  # a wedged one still holds its CPUs, GPU and blocks
         worker = spawn_worker(c, dead.role, slot, self._pull.address, self.namespace, dead.generation + 1,
-                              self._kv_host(), self._published)
+                              self._kv_host(), self._published, self.keys)
         self._joining[worker.name] = worker  # its reports update its stats; nothing is routed to it yet
         try:
             await self._describe(worker)

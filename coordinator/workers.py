@@ -109,22 +109,23 @@ def tell(worker: WorkerState, cmd) -> None:
 
 
 def spawn_workers(c, events_address: str, namespace: str, kv_host: str = "127.0.0.1",
-                  published: dict | None = None) -> dict[str, WorkerState]:
+                  published: dict | None = None, keys=None) -> dict[str, WorkerState]:
     """Create the worker actors of ClusterConfig `c` (not yet started: `Describe` waits for that).
     kv_host: '127.0.0.1', or 'node' for decode workers to bind their node's own address.
-    published: model path -> its copy in the object store (runtime.model_store.publish)."""
+    published: model path -> its copy in the object store (runtime.model_store.publish).
+    keys: the cluster's protocol.curve.ClusterKeys (None: an unsecured cluster)."""
     roles = [("colocated", c.colocated)] if c.colocated else [("prefill", c.prefill), ("decode", c.decode)]
     out: dict[str, WorkerState] = {}
     for role, count in roles:
         for i in range(count):
             worker = spawn_worker(c, role, f"{role}-{i}", events_address, namespace, kv_host=kv_host,
-                                  published=published)
+                                  published=published, keys=keys)
             out[worker.name] = worker
     return out
 
 
 def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, generation: int = 0,
-                 kv_host: str = "127.0.0.1", published: dict | None = None) -> WorkerState:
+                 kv_host: str = "127.0.0.1", published: dict | None = None, keys=None) -> WorkerState:
     """One worker actor of `role` for slot `slot` ("decode-0"); a replacement (generation g > 0)
     is named "<slot>-r<g>" so nothing of the dead one can be mistaken for it."""
     import ray
@@ -150,7 +151,7 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
         resources = c.decode_resources
     config["engine"] = engine
     config.update(model_files=(published or {}).get(engine["model"]),
-                  fetch_model=c.model_distribution == "always")
+                  fetch_model=c.model_distribution == "always", cluster_keys=keys.to_dict() if keys else None)
     actor = {"colocated": ColocatedWorker, "prefill": PrefillWorker, "decode": DecodeWorker}[role]
     gpus = c.gpus_per_worker if str(engine.get("device", "cpu")).startswith("cuda") else 0
     handle = ray.remote(actor).options(name=name, namespace=namespace, num_cpus=c.actor_cpus, num_gpus=gpus,

@@ -75,7 +75,9 @@ class DecodeHandler:
         self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
         self.refused_imports = 0
         self.last_snapshot: dict = engine.kv.usage()
-        transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name)
+        keys = config.keys
+        transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
+                                    secret=keys.secret if keys else "")
         if config.transport == "zmq":
             self.receiver = _bind_receiver(engine.kv, transport, self.credits, config.kv_port_min,
                                            config.kv_port_max)

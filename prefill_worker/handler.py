@@ -59,8 +59,9 @@ class PrefillHandler:
         self.targets: dict[str, _Target] = {}                # request id -> migration target
         self.held: dict[str, tuple[int, float]] = {}         # request id -> (failed epoch, deadline)
         self.leases = LeaseTable()
+        keys = config.keys
         self.senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
-                                  config.namespace, config.transfer_timeout_s)
+                                  config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
         self.prefills = self.resends = self.hold_expired = 0
 
     # ---- the calling thread -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 import protocol.messages  # noqa: F401  (registers the message classes with the codec)
 from protocol.codec import ProtocolError, decode, encode
+from protocol.curve import ClusterKeys, connect_curve, serve_curve
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,17 @@ def _bind(sock, address: str) -> str:
 
 
 class PushQueue:
-    """Send typed messages; used from one thread."""
+    """Send typed messages; used from one thread. keys: connect as a CURVE client of a report
+    socket that holds the cluster keys (protocol.curve)."""
 
-    def __init__(self, address: str, create: bool = False, send_timeout_s: float = 5.0):
+    def __init__(self, address: str, create: bool = False, send_timeout_s: float = 5.0,
+                 keys: ClusterKeys | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+        if keys is not None:
+            connect_curve(self.sock, keys)
         self.address = _bind(self.sock, address) if create else address
         if not create:
             self.sock.connect(address)
@@ -55,12 +60,19 @@ class PushQueue:
 
 
 class PullQueue:
-    """Receive typed messages on an asyncio loop."""
+    """Receive typed messages on an asyncio loop. keys: be a CURVE server that admits only
+    clients holding the cluster keys (anyone else cannot connect, let alone forge a report)."""
 
-    def __init__(self, address: str, create: bool = True, expect: type | tuple[type, ...] | None = None):
+    def __init__(self, address: str, create: bool = True, expect: type | tuple[type, ...] | None = None,
+                 keys: ClusterKeys | None = None):
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.authenticator = None
+        if keys is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self.authenticator = serve_curve(self.sock, keys, AsyncioAuthenticator)
         self.address = _bind(self.sock, address) if create else address
         if not create:
             self.sock.connect(address)
@@ -78,5 +90,7 @@ class PullQueue:
                 log.warning("dropped a malformed message on %s: %s", self.address, e)
 
     def close(self) -> None:
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.sock.close(0)
         self.ctx.term()

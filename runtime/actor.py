@@ -36,6 +36,15 @@ class WorkerConfig:
     # the coordinator's published copy of the model's files (runtime.model_store), or None
     model_files: dict | None = None
     fetch_model: bool = False    # load the published copy even when the path exists on this node
+    # the cluster's keys (protocol.curve: 'public', 'secret'): reports go over CURVE and KV handshakes
+    # are signed; None outside a secured cluster (in-process tests)
+    cluster_keys: dict | None = None
+
+    @property
+    def keys(self):
+        from protocol.curve import ClusterKeys
+
+        return ClusterKeys(**self.cluster_keys) if self.cluster_keys else None
 
 
 def refuse_submit(engine, cmd) -> Reply | None:
@@ -69,7 +78,7 @@ class WorkerActor:
                                                      prefer_local=not self.config.fetch_model)
         self.engine = LLMEngine(EngineConfig(**{**engine, "role": self.role}))
         self.handler = self.make_handler(self.config, self.engine)
-        self._events = PushQueue(self.config.events_address)  # used on the loop thread only
+        self._events = PushQueue(self.config.events_address, keys=self.config.keys)  # the loop thread's
         c = self.config
         loop_config = LoopConfig(c.name, c.heartbeat_s, c.idle_poll_s, c.busy_poll_s, c.call_timeout_s)
         self.loop = WorkerLoop(loop_config, self.handler, self._emit)

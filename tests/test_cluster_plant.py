@@ -52,8 +52,10 @@ def _pool_after_heartbeat(port: int) -> tuple[int, int, int]:
     return w["used_blocks"], w["cached_blocks"], w["free_blocks"]
 
 
-def _attacker(transport: str, srv: ClusterServer, local_engine):
-    """A sender with the decode worker's exact layout (same model), calling itself prefill-0."""
+def _attacker(transport: str, srv: ClusterServer, local_engine, secret: str | None = None):
+    """A sender with the decode worker's exact layout (same model), calling itself prefill-0. By
+    default an insider: it holds the cluster secret, so only the missing reservation stops it."""
+    secret = srv.backend.keys.secret if secret is None else secret
     fp = local_engine.storage.layout.fingerprint()
     layout = KVLayout(fp["num_layers"], fp["num_kv_heads"], fp["head_dim"], 16, fp["dtype"], fp["model"])
     manager = make_manager(layout, 16)
@@ -63,15 +65,16 @@ def _attacker(transport: str, srv: ClusterServer, local_engine):
         from transfer.zmq_transport import ZmqSender
 
         sender = ZmqSender(layout.fingerprint(), TransportConfig(address=dw["address"], peer_name="prefill-0",
-                                                                 connect_timeout_s=10, transfer_timeout_s=10))
+                                                                 connect_timeout_s=10, transfer_timeout_s=10,
+                                                                 secret=secret))
     else:
         import ray
 
         from transfer.ray_transport import RaySender
 
         actor = ray.get_actor(dw["name"], namespace=srv.backend.namespace)
-        sender = RaySender(layout.fingerprint(), actor, TransportConfig(peer_name="prefill-0",
-                                                                        checksum_mode="manifest"))
+        config = TransportConfig(peer_name="prefill-0", checksum_mode="manifest", secret=secret)
+        sender = RaySender(layout.fingerprint(), actor, config)
     return manager, sender
 
 
@@ -117,3 +120,49 @@ def test_dedupe_query_from_unknown_sender_is_refused(cluster, local_engine):
         if hasattr(sender, "close"):
             sender.close()
     assert _pool_after_heartbeat(srv.port) == before
+
+
+def test_a_peer_without_the_cluster_secret_is_refused_at_the_handshake(cluster, local_engine):
+    """No secret (or a wrong one): the handshake is refused before the receiver says anything about
+    itself, so no query or manifest of that connection is ever served."""
+    transport, srv = cluster
+    before = _pool_after_heartbeat(srv.port)
+    for secret in ("", "not-the-cluster-secret"):
+        _, sender = _attacker(transport, srv, local_engine, secret)
+        try:
+            with pytest.raises(NotAdmitted):
+                sender.connect()
+        finally:
+            if hasattr(sender, "close"):
+                sender.close()
+    assert _pool_after_heartbeat(srv.port) == before
+
+
+def test_a_forged_report_from_an_unauthenticated_socket_is_never_read(cluster):
+    """The report socket is a CURVE server that admits only the cluster's key: a plain PUSH socket
+    claiming to be decode-0 cannot even connect, so its forged stats never reach /v1/cluster."""
+    import zmq
+
+    from protocol.codec import encode
+    from protocol.messages import WorkerReport
+
+    _, srv = cluster
+    forged = WorkerReport("decode-0", {"used_blocks": 999_999, "failed": "forged"}, {"ghost": 999_999}, [])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 2000)
+    try:
+        sock.connect(srv.backend._pull.address)
+        for _ in range(3):
+            try:
+                sock.send(encode(forged))
+            except zmq.Again:  # never connected: exactly what CURVE + ZAP should do
+                break
+        time.sleep(1.0)
+        worker = _decode_worker(srv.port)
+        assert worker["used_blocks"] != 999_999 and worker["alive"] and not worker.get("failed")
+        assert "ghost" not in srv.backend.workers["decode-0"].holdings
+    finally:
+        sock.close(0)
+        ctx.term()

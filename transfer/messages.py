@@ -11,6 +11,7 @@ re-exported here) followed by raw payload chunks, answered by `Ack` or `Nack`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from transfer.errors import LimitExceeded, MalformedMessage
@@ -30,20 +31,30 @@ from transfer.schema import U32, U64, Limits, get, get_float, get_int, get_packe
 
 @dataclass(frozen=True)
 class Hello:
-    """Sent once per connection by the sender: its layout and name."""
+    """Sent once per connection by the sender: its layout and name, signed with the cluster secret
+    when the cluster has one (issued_at, nonce and tag: protocol.curve.hmac_sign)."""
 
     fingerprint: dict
     peer: str = ""
+    issued_at: float = 0.0
+    nonce: str = ""
+    tag: str = ""
+
+    def signed_fields(self) -> list[str]:
+        return [json.dumps(self.fingerprint, sort_keys=True), self.peer]
 
     def to_wire(self) -> dict:
         return {"v": PROTOCOL_VERSION, "kind": "hello", "fingerprint": dict(self.fingerprint),
-                "peer": self.peer}
+                "peer": self.peer, "issued_at": self.issued_at, "nonce": self.nonce, "tag": self.tag}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> Hello:
-        require_keys(wire, {"v", "kind", "fingerprint", "peer"}, "hello")
-        return cls(validate_fingerprint(get(wire, "fingerprint", "hello"), limits),
-                   get_str(wire, "peer", limits.max_id_len, "hello"))
+        what = "hello"
+        require_keys(wire, {"v", "kind", "fingerprint", "peer", "issued_at", "nonce", "tag"}, what)
+        return cls(validate_fingerprint(get(wire, "fingerprint", what), limits),
+                   get_str(wire, "peer", limits.max_id_len, what),
+                   get_float(wire, "issued_at", 0.0, 1e12, what, 0.0),
+                   get_str(wire, "nonce", 64, what, ""), get_str(wire, "tag", 128, what, ""))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from transfer.importer import ImportResult, import_sequence
 from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
-from transfer.transport import TransportConfig, migrate
+from transfer.transport import TransportConfig, hello_is_genuine, make_hello, migrate
 
 
 class RayReceiverEndpoint:
@@ -47,6 +47,7 @@ class RayReceiverEndpoint:
         self.metrics = metrics or DEFAULT_METRICS
         self.fingerprint = manager.storage.layout.fingerprint()
         self.plans: dict[str, tuple[CompatPlan, str]] = {}  # connection -> (plan, sender's name)
+        self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
         if not counted:
@@ -56,6 +57,8 @@ class RayReceiverEndpoint:
     def kv_hello(self, conn: str, data: bytes) -> bytes:
         try:
             hello = decode(data, self.config.limits, Hello)
+            if not hello_is_genuine(hello, self.config, self._nonces):
+                raise refused()  # NOTE: before anything about this receiver is revealed
             plan = check_compatible(hello.fingerprint, self.fingerprint)
         except TransferError as e:
             return self._nack(e)
@@ -131,7 +134,7 @@ class RaySender:
         raise err
 
     def connect(self, timeout: float | None = None) -> CompatPlan:
-        hello = encode(Hello(self.fingerprint, self.config.peer_name))
+        hello = encode(make_hello(self.fingerprint, self.config))
         data = self._get(self.actor.kv_hello.remote(self.conn, hello),
                          timeout or self.config.connect_timeout_s, "handshake reply")
         reply = _reply_of(self, data, HelloReply)

@@ -15,11 +15,11 @@ from transfer.transport import TransportConfig
 
 class SenderPool:
     def __init__(self, peer_name: str, transport: str, fingerprint: dict, namespace: str = "",
-                 transfer_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 30.0, secret: str = ""):
         if transport not in ("zmq", "ray"):
             raise ValueError(f"transport must be 'zmq' or 'ray', got {transport!r}")
         self.peer_name, self.transport, self.fingerprint = peer_name, transport, dict(fingerprint)
-        self.namespace, self.transfer_timeout_s = namespace, transfer_timeout_s
+        self.namespace, self.transfer_timeout_s, self.secret = namespace, transfer_timeout_s, secret
         self._senders: dict[str, object] = {}
 
     def get(self, name: str, address: str):
@@ -28,7 +28,8 @@ class SenderPool:
             config = TransportConfig(address=address, peer_name=self.peer_name,
                                      transfer_timeout_s=self.transfer_timeout_s,
                                      connect_timeout_s=min(10.0, self.transfer_timeout_s),
-                                     checksum_mode="manifest" if self.transport == "ray" else "inline")
+                                     checksum_mode="manifest" if self.transport == "ray" else "inline",
+                                     secret=self.secret)
             if self.transport == "ray":
                 import ray
 

@@ -49,6 +49,8 @@ class TransportConfig:
     lease_s: how long a sender keeps exported blocks referenced without an ack.
     peer_name: this endpoint's name in handshakes (diagnostics).
     limits: bounds on what a peer may claim.
+    secret: the cluster secret (protocol.curve): senders sign their handshake with it and
+      receivers refuse an unsigned, stale, replayed or wrongly signed one ('': no keyed handshake).
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -63,6 +65,31 @@ class TransportConfig:
     lease_s: float = 60.0
     peer_name: str = ""
     limits: Limits = field(default_factory=Limits)
+    secret: str = ""
+
+
+def make_hello(fingerprint: dict, config: TransportConfig):
+    """This sender's handshake, signed when the config carries the cluster secret."""
+    import time
+
+    from protocol.curve import hmac_sign, new_nonce
+    from transfer.messages import Hello
+
+    hello = Hello(dict(fingerprint), config.peer_name)
+    if not config.secret:
+        return hello
+    issued_at, nonce = time.time(), new_nonce()
+    return Hello(hello.fingerprint, hello.peer, issued_at, nonce,
+                 hmac_sign(config.secret, hello.signed_fields(), issued_at, nonce))
+
+
+def hello_is_genuine(hello, config: TransportConfig, seen: dict) -> bool:
+    """True when no secret is configured, or the handshake is fresh and signed with it."""
+    from protocol.curve import hmac_verify
+
+    if not config.secret:
+        return True
+    return hmac_verify(config.secret, hello.signed_fields(), hello.issued_at, hello.nonce, hello.tag, seen)
 
 
 def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:

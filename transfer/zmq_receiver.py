@@ -29,7 +29,7 @@ from transfer.importer import ImportResult, ImportSession
 from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
-from transfer.transport import TransportConfig
+from transfer.transport import TransportConfig, hello_is_genuine
 from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
 
 
@@ -65,6 +65,7 @@ class ZmqReceiver:
         self._bound = [self.address]
         self.peers: OrderedDict[bytes, _Peer] = OrderedDict()
         self.fingerprint = manager.storage.layout.fingerprint()
+        self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
 
     # ---- public -----------------------------------------------------------------------------
     def bind(self, address: str) -> str:
@@ -206,6 +207,8 @@ class ZmqReceiver:
     def _hello(self, ident: bytes, peer: _Peer, body) -> None:
         try:
             hello = decode(body, self.config.limits, Hello)
+            if not hello_is_genuine(hello, self.config, self._nonces):
+                raise refused()  # NOTE: before anything about this receiver is revealed
             peer.plan = check_compatible(hello.fingerprint, self.fingerprint)
         except TransferError as e:
             peer.plan = None

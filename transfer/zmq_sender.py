@@ -17,10 +17,10 @@ from transfer.checksum import checksum
 from transfer.codec import decode_reply, encode
 from transfer.errors import MalformedMessage, TransferError, TransferTimeout
 from transfer.export import ExportedSequence
-from transfer.messages import Ack, Held, Hello, HelloReply, Query
+from transfer.messages import Ack, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
-from transfer.transport import TransportConfig, migrate
+from transfer.transport import TransportConfig, make_hello, migrate
 from transfer.zmq_wire import DATA, TOKEN
 
 
@@ -81,7 +81,7 @@ class ZmqSender:
     def connect(self, timeout: float | None = None) -> CompatPlan:
         """Handshake: exchange layout fingerprints once; FingerprintMismatch if incompatible."""
         deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
-        self.sock.send_multipart([b"H", encode(Hello(self.fingerprint, self.config.peer_name))])
+        self.sock.send_multipart([b"H", encode(make_hello(self.fingerprint, self.config))])
         _, body = self._wait((b"h",), deadline, "handshake reply")
         reply = _reply_of(self, body, HelloReply)
         try:

@@ -1,0 +1,87 @@
+"""Cluster keys for the ZeroMQ sockets: CURVE encryption plus a ZAP allowlist on the report socket,
+and an HMAC keyed handshake for KV connections (whose bulk bytes stay unencrypted for speed).
+
+`pdserve up` makes one `ClusterKeys` at start and hands it to every worker through Ray. A report
+socket (`PullQueue`) is a CURVE server that admits only clients holding the cluster's key pair,
+so a peer without it can neither connect nor forge a worker's report. KV receivers check the
+`hmac_sign` tag each sender puts in its handshake (a fresh nonce and timestamp, so a recorded
+handshake cannot be replayed) before they answer anything else on that connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from dataclasses import dataclass
+
+import zmq
+
+HANDSHAKE_MAX_AGE_S = 60.0  # a handshake older (or newer) than this is refused
+
+
+@dataclass(frozen=True)
+class ClusterKeys:
+    public: str   # z85 CURVE public key
+    secret: str   # z85 CURVE secret key (also the HMAC key of the KV handshake)
+
+    @staticmethod
+    def generate() -> ClusterKeys:
+        public, secret = zmq.curve_keypair()
+        return ClusterKeys(public.decode(), secret.decode())
+
+    def to_dict(self) -> dict:
+        return {"public": self.public, "secret": self.secret}
+
+
+class _OnlyClusterKey:
+    """ZAP credentials: the one client key the cluster holds."""
+
+    def __init__(self, public: str):
+        self.public = public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public)
+
+
+def serve_curve(sock, keys: ClusterKeys, authenticator_class) -> object:
+    """Make `sock` a CURVE server that admits only the cluster's key; call before bind. Returns the
+    started ZAP authenticator (stop it when the socket closes)."""
+    authenticator = authenticator_class(sock.context)
+    authenticator.start()
+    authenticator.configure_curve_callback(domain="*", credentials_provider=_OnlyClusterKey(keys.public))
+    sock.curve_secretkey = keys.secret.encode()
+    sock.curve_publickey = keys.public.encode()
+    sock.curve_server = True
+    return authenticator
+
+
+def connect_curve(sock, keys: ClusterKeys) -> None:
+    """Make `sock` a CURVE client of a server holding the cluster keys; call before connect."""
+    sock.curve_serverkey = keys.public.encode()
+    sock.curve_publickey = keys.public.encode()
+    sock.curve_secretkey = keys.secret.encode()
+
+
+def hmac_sign(secret: str, fields: list[str], issued_at: float, nonce: str) -> str:
+    message = "\x1f".join([*fields, repr(issued_at), nonce]).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def new_nonce() -> str:
+    return os.urandom(16).hex()
+
+
+def hmac_verify(secret: str, fields: list[str], issued_at: float, nonce: str, tag: str,
+                seen: dict[str, float]) -> bool:
+    """True for a fresh, never-seen handshake signed with the cluster secret. `seen` remembers
+    nonces (pruned past the maximum age) so a recorded handshake is refused."""
+    now = time.time()
+    for old in [n for n, t in seen.items() if now - t > HANDSHAKE_MAX_AGE_S]:
+        del seen[old]
+    fresh = abs(now - issued_at) <= HANDSHAKE_MAX_AGE_S and nonce not in seen
+    valid = fresh and hmac.compare_digest(hmac_sign(secret, fields, issued_at, nonce), tag)
+    if valid:
+        seen[nonce] = now
+    return valid
