@@ -4,6 +4,8 @@ that vanishes mid-transfer and data before the handshake, each answered by a typ
 timeout) and counted, after which a proper sender still gets through. Sent by `RawPeer`, a
 hand-driven DEALER socket."""
 
+import time
+
 import msgpack
 import pytest
 import torch
@@ -127,3 +129,26 @@ def test_receiver_survives_bad_traffic_with_pool_unchanged(gen, case):
     dst.allocator.evict_cached()  # the good import's blocks stayed cached for prefix reuse
     assert snapshot(dst) == before
     dst.check_integrity()
+
+
+def test_a_trickling_sender_is_cut_off_by_the_total_transfer_limit(gen):
+    """One chunk just inside the idle timeout each time still ends at max_transfer_s: a sender
+    cannot keep a reservation alive forever. The pool is as it was."""
+    src, dst = pool(), pool()
+    before = snapshot(dst)
+    served = Served(dst, idle_timeout_s=5.0, max_transfer_s=1.0)
+    raw = RawPeer(served.rx.address)
+    fill_random_sequence(src, "a", 200, gen)
+    ex = export_sequence(src, "a", "r", 1, config=ExportConfig(chunk_bytes=4096, checksum_mode="inline"))
+    try:
+        raw.hello(src.storage.layout.fingerprint())
+        messages = _stream(ex, 1)
+        for msg in messages[:4]:  # the manifest, then a chunk every 0.4 s (well inside the idle 5 s)
+            raw.sock.send_multipart(msg)
+            time.sleep(0.4)
+        got = served.next()
+        assert isinstance(got, E.TransferTimeout) and "running" in str(got)
+    finally:
+        raw.close()
+        served.stop()
+    assert snapshot(dst) == before

@@ -75,7 +75,7 @@ class ImportSession:
         self._next = (0, 0)
         self.nbytes = 0
         self.timings = {"prepare_ms": (time.perf_counter() - t0) * 1e3}
-        self.last_activity = time.monotonic()
+        self.started = self.last_activity = time.monotonic()
 
     # ---- validation and reservation -----------------------------------------------------
     def _validate(self, plan: CompatPlan | None) -> None:

@@ -39,7 +39,7 @@ class Limits:
     max_frames: int = 1 << 16
     max_chunks: int = 1 << 20
     min_chunk_bytes: int = 1 << 12
-    max_chunk_bytes: int = 1 << 28
+    max_chunk_bytes: int = 1 << 24
     max_payload_bytes: int = 1 << 40
     max_id_len: int = 1024
     max_list_len: int = 4096

@@ -46,6 +46,8 @@ class TransportConfig:
     connect_timeout_s: handshake and dedupe query wait.
     transfer_timeout_s: the sender's wait from the first byte to the ack.
     idle_timeout_s: the receiver's longest silence inside one transfer before abandoning it.
+    max_transfer_s: the receiver's longest whole transfer (a sender trickling one chunk just
+      inside the idle timeout cannot hold a reservation forever).
     lease_s: how long a sender keeps exported blocks referenced without an ack.
     peer_name: this endpoint's name in handshakes (diagnostics).
     limits: bounds on what a peer may claim.
@@ -57,11 +59,12 @@ class TransportConfig:
     chunk_bytes: int = 2 << 20
     checksum_mode: str = "inline"
     io_threads: int = 1
-    rcvhwm: int = 32
+    rcvhwm: int = 8
     socket_buffer_bytes: int = 4 << 20
     connect_timeout_s: float = 10.0
     transfer_timeout_s: float = 60.0
     idle_timeout_s: float = 10.0
+    max_transfer_s: float = 300.0
     lease_s: float = 60.0
     peer_name: str = ""
     limits: Limits = field(default_factory=Limits)

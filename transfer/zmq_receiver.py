@@ -158,10 +158,13 @@ class ZmqReceiver:
     def _expire(self) -> None:
         now = time.monotonic()
         for ident, p in list(self.peers.items()):
-            if p.session is not None and now - p.session.last_activity > self.config.idle_timeout_s:
-                rid = p.session.manifest.request_id
-                self._fail(ident, p, TransferTimeout(
-                    f"request {rid!r}: sender silent for {self.config.idle_timeout_s}s"))
+            session, cfg = p.session, self.config
+            if session is None:
+                continue
+            silent, age = now - session.last_activity, now - session.started
+            if silent > cfg.idle_timeout_s or age > cfg.max_transfer_s:
+                why = f"silent for {silent:.1f}s" if silent > cfg.idle_timeout_s else f"running {age:.1f}s"
+                self._fail(ident, p, TransferTimeout(f"request {session.manifest.request_id!r}: {why}"))
 
     def _handle(self) -> ImportResult | None:
         sock = self.sock
