@@ -13,6 +13,7 @@ the rest. Padded block-table entries point at the pool's null block when one is 
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ DECODE_GROUP_COST_SLOTS = 4096
 # which is small next to the memory traffic at such sizes, for 1/Hkv of the calls. Past it, one
 # matmul pair per kv head.
 HEADS_AS_ROWS_LIMIT = 32
+
+
+def int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """(len,) int64 from host ints, through array.array (about 3x faster than torch.tensor(list))."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    tensor = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 class AttentionMetadata:
@@ -54,10 +63,13 @@ class AttentionMetadata:
         self.null_block = null_block            # the pool's zeroed padding block
         self.max_query_len = max(query_lens_host)
         self.max_seq_len = max(seq_lens_host)
-        self.positions = torch.tensor(positions, dtype=torch.int64, device=device)  # (T,)
-        self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)  # (T,)
+        self.positions = int64_tensor(positions, device)  # (T,)
+        self.slot_mapping = int64_tensor(slots, device)  # (T,)
         self.torch_plan: TorchPlan | None = None  # engine.attn_torch's per-step plan, built on first use
         self.workspace = None                     # engine.attn_torch.Workspace the engine reuses, if any
+        self.seq_ids: list | None = None          # the engine's sequence ids (lets the decode mirror
+                                                  # follow a sequence from step to step)
+        self.final_lens: list[int] | None = None  # longest each sequence can get (sizes the mirror)
 
     @property
     def num_seqs(self) -> int:
@@ -143,18 +155,20 @@ class TorchPlan:
     prefill: list[PrefillSequence]
     decode_only: bool           # one group covering rows 0..T-1 in order: no output scatter
     heads_as_rows: bool         # decode scores all heads in one matmul (see HEADS_AS_ROWS_LIMIT)
+    mirror: object = None       # engine.attn_mirror.MirrorStep when decode reads the mirror instead
 
 
 def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: int, num_heads: int,
-                     num_kv_heads: int) -> TorchPlan:
-    """The torch backend's per-step plan (the bias is in `dtype`, the attention's dtype)."""
+                     num_kv_heads: int, decode_groups: bool = True) -> TorchPlan:
+    """The torch backend's per-step plan (the bias is in `dtype`, the attention's dtype).
+    decode_groups: False when the decode mirror serves the one-query sequences."""
     device = meta.slot_mapping.device
     B = block_size
     tables = meta.tables_host
     starts = [0]
     for q in meta.query_lens_host:
         starts.append(starts[-1] + q)
-    decode_seqs = [s for s, q in enumerate(meta.query_lens_host) if q == 1]
+    decode_seqs = [s for s, q in enumerate(meta.query_lens_host) if q == 1] if decode_groups else []
     heads = (num_heads, num_kv_heads) if num_heads * num_kv_heads <= HEADS_AS_ROWS_LIMIT else None
     groups = _decode_groups(decode_seqs, starts, tables, meta.seq_lens_host, B, meta.null_block, heads,
                             dtype, device)
@@ -163,7 +177,7 @@ def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: in
         if q == 1:
             continue
         n = meta.seq_lens_host[s]
-        blocks = torch.tensor(tables[s][:-(-n // B)], dtype=torch.int64, device=device)
+        blocks = int64_tensor(tables[s][:-(-n // B)], device)
         mask = None
         if n > q:
             keys = torch.arange(n, device=device)  # (L,)
@@ -190,30 +204,33 @@ def _decode_groups(seqs: list[int], starts: list[int], tables: list[list[int]], 
             members.append([])
             width = nb
         members[-1].append(s)
+    if heads is not None:
+        Hq, Hkv = heads
+        other = torch.arange(Hq, device=device)[:, None, None] // (Hq // Hkv) != \
+            torch.arange(Hkv, device=device)[None, None, :]  # (Hq, 1, Hkv): key head is not the query's
+        head_bias = torch.zeros(other.shape, dtype=dtype, device=device).masked_fill_(other, float("-inf"))
     groups = []
     for group in members:
         group.sort()
-        width = max(-(-seq_lens[s] // B) for s in group)
+        widths = [-(-seq_lens[s] // B) for s in group]
+        width = max(widths)
         flat: list[int] = []
-        for s in group:
-            own = tables[s][:-(-seq_lens[s] // B)]
-            pad = null_block if null_block is not None else own[-1]  # masked either way
-            flat += own + [pad] * (width - len(own))
-        lens = torch.tensor([seq_lens[s] for s in group], device=device)  # (n,)
-        past = torch.arange(width * B, device=device)[None, :] >= lens[:, None]  # (n, L)
+        for s, nb in zip(group, widths):
+            flat += tables[s][:nb]
+            if nb < width:  # masked either way; the null block keeps padding off live blocks
+                flat += [tables[s][nb - 1] if null_block is None else null_block] * (width - nb)
+        lens = int64_tensor([seq_lens[s] for s in group], device)  # (n,)
         if heads is None:
-            bias = torch.zeros((len(group), 1, width * B), dtype=dtype, device=device)  # (n, 1, L)
-            bias.masked_fill_(past[:, None, :], float("-inf"))
-        else:
-            Hq, Hkv = heads
-            other = torch.arange(Hq, device=device)[:, None] // (Hq // Hkv) != \
-                torch.arange(Hkv, device=device)[None, :]  # (Hq, Hkv): key head is not the query's
-            hidden = past[:, None, :, None] | other[None, :, None, :]  # (n, Hq, L, Hkv)
-            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-            bias = bias.view(len(group), Hq, width * B * Hkv)  # (n, Hq, L * Hkv), keys (token, head)
+            past = torch.arange(width * B, device=device) >= lens[:, None]  # (n, L)
+            bias = torch.where(past, float("-inf"), 0.0).to(dtype)[:, None, :]  # (n, 1, L)
+        else:  # keys ordered (token, head): key j is token j // Hkv of kv head j % Hkv
+            past = torch.arange(width * B * Hkv, device=device) // Hkv >= lens[:, None]  # (n, L Hkv)
+            heads_pattern = head_bias.expand(Hq, width * B, Hkv).reshape(Hq, width * B * Hkv)  # (Hq, L Hkv)
+            bias = torch.where(past, float("-inf"), 0.0).to(dtype)[:, None, :] + heads_pattern
+            # bias: (n, Hq, L Hkv)
         rows_host = [starts[s] for s in group]
         first, last = rows_host[0], rows_host[-1]
         rows = slice(first, last + 1) if last - first + 1 == len(group) else \
-            torch.tensor(rows_host, dtype=torch.int64, device=device)
-        groups.append(DecodeGroup(rows, torch.tensor(flat, dtype=torch.int64, device=device), width, bias))
+            int64_tensor(rows_host, device)
+        groups.append(DecodeGroup(rows, int64_tensor(flat, device), width, bias))
     return groups

@@ -14,19 +14,24 @@ attends; `store_kv` and `paged_attention` are the separate halves (the Triton te
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from engine.attn_metadata import AttentionMetadata, DecodeGroup, PrefillSequence, TorchPlan, build_torch_plan
+from engine.attn_mirror import DecodeMirror, MirrorStep
 
 
 class Workspace:
-    """Scratch buffers for the K/V gathers, reused by every layer and step of one engine and
-    grown on demand: a fresh multi-megabyte tensor per gather costs page faults that, on CPU,
-    rival the attention arithmetic itself. Not thread-safe: one per engine."""
+    """Per-engine state of the torch backend: scratch buffers for the K/V gathers, reused by every
+    layer and step and grown on demand (a fresh multi-megabyte tensor per gather costs page faults
+    that, on CPU, rival the attention arithmetic itself), and the decode mirror. Not thread-safe:
+    one per engine."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.mirror = DecodeMirror()
 
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor of `shape` with `like`'s dtype and device (contents undefined)."""
@@ -60,31 +65,62 @@ def _store(key, value, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Te
     v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
 
 
-def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> TorchPlan:
+def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, layer: int | None) -> TorchPlan:
     plan = meta.torch_plan
     if plan is None or plan.decode and plan.decode[0].bias.dtype != q.dtype:
-        plan = meta.torch_plan = build_torch_plan(meta, q.dtype, k_cache.shape[1], q.shape[1],
-                                                  k_cache.shape[2])
+        _, B, Hkv, _ = k_cache.shape
+        mirror = None
+        decode = [s for s, n in enumerate(meta.query_lens_host) if n == 1]
+        if decode and layer is not None and meta.workspace is not None and meta.seq_ids is not None:
+            starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
+            final = max(meta.final_lens[s] for s in decode) if meta.final_lens else 0
+            mirror = meta.workspace.mirror.plan(
+                [meta.seq_ids[s] for s in decode], [starts[s] for s in decode],
+                [meta.seq_lens_host[s] for s in decode], [meta.tables_host[s] for s in decode], final, B,
+                Hkv, k_cache.shape[0] * B, q.dtype, q.device)
+        plan = meta.torch_plan = build_torch_plan(meta, q.dtype, B, q.shape[1], Hkv, mirror is None)
+        plan.mirror = mirror
+        plan.decode_only = plan.decode_only or mirror is not None and not plan.prefill and \
+            mirror.rows is None and mirror.num == q.shape[0]
     return plan
 
 
 def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Store the step's K/V (T, Hkv, D) into their slots, then attend: q (T, Hq, D) -> (T, Hq, D)."""
-    plan = _plan(meta, q, k_cache)
+            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            layer: int | None = None) -> torch.Tensor:
+    """Store the step's K/V (T, Hkv, D) into their slots, then attend: q (T, Hq, D) -> (T, Hq, D).
+    layer: the model layer (the decode mirror keeps buffers per layer; None: no mirror)."""
+    plan = _plan(meta, q, k_cache, layer)
     _store(key, value, k_cache, v_cache, plan.slot_blocks, plan.slot_offsets)
-    return _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace)
+    if plan.mirror is None:
+        return _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace)
+    step: MirrorStep = plan.mirror
+    keys, values = meta.workspace.mirror.prepare(layer, k_cache, v_cache, step)  # (S, Hkv, P, D) each
+    rows = step.rows if step.rows is not None else slice(0, step.num)
+    slots = torch.arange(step.num, device=q.device)
+    keys[slots, :, step.positions] = key[rows].to(keys.dtype)  # the new tokens, in slot order
+    values[slots, :, step.positions] = value[rows].to(values.dtype)
+    o = _mirror_decode(q[rows], keys, values, step, scale)  # (num, Hq, D), slot order
+    if plan.decode_only:
+        return o
+    out = _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace)
+    if step.rows is None:
+        out[:step.num] = o
+    else:
+        out.index_copy_(0, step.rows, o)
+    return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, Hq, D) -> (T, Hq, D); causal over each sequence's paged history (K/V stored already)."""
-    return _attend(q, None, None, k_cache, v_cache, _plan(meta, q, k_cache), scale,
+    return _attend(q, None, None, k_cache, v_cache, _plan(meta, q, k_cache, None), scale,
                    meta.workspace)
 
 
 def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float,
             workspace: Workspace | None) -> torch.Tensor:
+    """The gather paths: decode groups and prefill sequences (rows the mirror serves are left unset)."""
     if plan.decode_only:
         return _decode(q, k_cache, v_cache, plan.decode[0], plan.heads_as_rows, scale, workspace)
     out = torch.empty_like(q)  # (T, Hq, D)
@@ -98,6 +134,19 @@ def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float,
     for seq in plan.prefill:
         out[seq.start:seq.end] = _prefill(q, key, value, k_cache, v_cache, seq, scale, workspace)
     return out
+
+
+def _mirror_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: MirrorStep,
+                   scale: float) -> torch.Tensor:
+    """q: (num, Hq, D) in slot order; keys/values: the mirror (S, Hkv, P, D) -> (num, Hq, D)."""
+    num, Hq, D = q.shape
+    Hkv, L = keys.shape[1], step.length
+    k = keys[:num, :, :L].reshape(num * Hkv, L, D)  # (num Hkv, L, D), a view: no copy
+    v = values[:num, :, :L].reshape(num * Hkv, L, D)  # (num Hkv, L, D)
+    queries = q.reshape(num * Hkv, Hq // Hkv, D)  # (num Hkv, G, D): the G query heads of each kv head
+    scores = torch.baddbmm(step.bias, queries, k.transpose(1, 2), alpha=scale)  # (num Hkv, G, L)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(probs, v).view(num, Hq, D)  # (num Hkv, G, D) -> (num, Hq, D)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,

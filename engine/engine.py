@@ -201,7 +201,8 @@ class LLMEngine:
                 rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(tables, seq_lens, q_lens, self.config.block_size, self.device,
                                        null_block=self.storage.null_block_id)
-        meta.workspace = self.workspace
+        meta.workspace, meta.seq_ids = self.workspace, [s.seq_id for _, s, _ in entries]
+        meta.final_lens = [len(s.prompt_ids) + req.params.max_tokens for req, s, _ in entries]
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions,
                                         self.storage, meta)  # (T, hidden)

@@ -45,9 +45,10 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention; K/V go through the paged cache of one layer."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
         c = config
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
         self.backend = backend
@@ -62,7 +63,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(T, Hq + 2 * Hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
         qk = apply_rotary(qkv[:, :Hq + Hkv], cos, sin)  # (T, Hq + Hkv, D): q and k rotated at once
         o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
-                                 self.scale)  # (T, Hq, D)
+                                 self.scale, self.layer)  # (T, Hq, D)
         return self.o_proj(o.reshape(T, Hq * self.head_dim))  # (T, Hq * D) -> (T, hidden)
 
 
@@ -83,10 +84,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -109,7 +110,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (None if config.tie_word_embeddings

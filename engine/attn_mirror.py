@@ -1,0 +1,119 @@
+"""Decode K/V mirror for the torch attention backend: a persistent per-slot buffer.
+
+Each sequence that decodes in consecutive steps keeps, per layer, its keys and values in one
+contiguous head-major buffer (slot, Hkv, position, D). Decode attention then reads them where
+they lie, with one batched matmul pair over (slot, kv head) and no grouped-query expansion,
+instead of gathering every block of every sequence every step; a step only adds each sequence's
+new token. The paged pool stays the source of truth: a sequence enters the mirror by one gather
+of its blocks (its first decode step, or after any step it did not decode in: preemption, swap,
+fork and import all come back that way), leaves it the first step it does not decode, and the
+slots of those present are kept dense (0..n-1) by moving entries into holes. Each layer's mirror
+is one buffer as large as the pool, allocated once (growing it mid-run would stall a step) and
+viewed as slots x positions; a longer sequence re-lays it out and refills it from the pool. The
+mirror serves a step only while padding every sequence to the longest stays within
+`MAX_PADDING` of the tokens attended and the slots fit; otherwise `plan` returns None, the mirror
+empties, and the backend gathers blocks by length group. Not thread-safe: one per engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attn_metadata import int64_tensor
+
+MAX_PADDING = 2.0  # padded key slots / attended keys above which the grouped gather path is used
+
+
+@dataclass
+class MirrorStep:
+    """What every layer does to its mirror this step, then how decode attends (built once)."""
+
+    num: int                            # decoding sequences, in slots 0..num-1
+    length: int                         # longest context among them (keys attended, padded)
+    positions_per_slot: int             # the layout: buffers are viewed (tokens // this, Hkv, this, D)
+    moves: tuple[torch.Tensor, torch.Tensor] | None  # (from slots, to slots)
+    fills: tuple[torch.Tensor, torch.Tensor, int] | None  # (slots, blocks (k * width,), width)
+    rows: torch.Tensor | None           # (num,) packed-batch row of slot i (None: row i)
+    positions: torch.Tensor             # (num,) position of slot i's new token
+    bias: torch.Tensor                  # (num * Hkv, 1, length): 0, or -inf past a sequence's end
+
+
+class DecodeMirror:
+    def __init__(self) -> None:
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> flat (K, V), pool-sized
+        self.entries: dict[object, tuple[int, int, int]] = {}  # seq id -> (slot, tokens held, first block)
+        self.positions = 0  # positions per slot of the current layout (0: none yet)
+
+    def plan(self, seq_ids: list, rows: list[int], seq_lens: list[int], tables: list[list[int]],
+             final_len: int, block_size: int, num_kv_heads: int, pool_tokens: int, dtype: torch.dtype,
+             device: torch.device) -> MirrorStep | None:
+        """Slots for this step's decode sequences (row r of `rows` has id seq_ids[r], context
+        seq_lens[r] after this step, blocks tables[r]), or None (and an empty mirror).
+        final_len: the longest any of them can grow to (0: unknown)."""
+        num, length = len(seq_ids), max(seq_lens)
+        width = -(-length // block_size)
+        if width * block_size > self.positions:  # a new layout: every entry is refilled
+            self.positions = -(-max(final_len, width * block_size) // block_size) * block_size
+            self.entries.clear()
+        if num * length > MAX_PADDING * sum(seq_lens) + num * block_size or \
+                num > pool_tokens // self.positions:
+            self.entries.clear()
+            return None
+        keep: dict[object, int] = {}  # sequences whose entry holds exactly their tokens before this one
+        for seq_id, n, table in zip(seq_ids, seq_lens, tables):
+            entry = self.entries.get(seq_id)
+            if entry is not None and entry[1] == n - 1 and entry[2] == table[0]:
+                keep[seq_id] = entry[0]
+        free = sorted(set(range(num)) - {s for s in keep.values() if s < num})
+        moves_from, moves_to, slot_of = [], [], {}
+        for seq_id, slot in keep.items():
+            if slot >= num:  # past the dense range: move into a hole
+                moves_from.append(slot)
+                moves_to.append(free.pop(0))
+                slot_of[seq_id] = moves_to[-1]
+            else:
+                slot_of[seq_id] = slot
+        fill_slots, fill_blocks = [], []
+        for seq_id, n, table in zip(seq_ids, seq_lens, tables):
+            if seq_id not in slot_of:
+                slot_of[seq_id] = free.pop(0)
+                fill_slots.append(slot_of[seq_id])
+                nb = -(-n // block_size)
+                fill_blocks += table[:nb] + [table[nb - 1]] * (width - nb)  # padding is masked
+        self.entries = {seq_id: (slot_of[seq_id], n, table[0])
+                        for seq_id, n, table in zip(seq_ids, seq_lens, tables)}
+        order = sorted(range(num), key=lambda r: slot_of[seq_ids[r]])  # order[i]: the row in slot i
+        lens = int64_tensor([seq_lens[r] for r in order], device)  # (num,) by slot
+        past = torch.arange(length, device=device) >= lens[:, None]  # (num, L)
+        bias = torch.where(past, float("-inf"), 0.0).to(dtype).repeat_interleave(num_kv_heads, 0)
+        by_slot = [rows[r] for r in order]
+        moves = (int64_tensor(moves_from, device), int64_tensor(moves_to, device)) if moves_from else None
+        fills = None if not fill_slots else \
+            (int64_tensor(fill_slots, device), int64_tensor(fill_blocks, device), width)
+        return MirrorStep(num, length, self.positions, moves, fills,
+                          None if by_slot == list(range(num)) else int64_tensor(by_slot, device),
+                          lens - 1, bias[:, None, :])  # bias: (num * Hkv, 1, L)
+
+    def prepare(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move and fill this layer's entries for the step; returns its (K, V) viewed (S, Hkv, P, D)."""
+        N, B, Hkv, D = k_cache.shape
+        buffers = self.buffers.get(layer)
+        if buffers is None:  # as many tokens as the pool; zeroed, so padding reads finite values
+            buffers = self.buffers[layer] = (k_cache.new_zeros(N * B * Hkv * D),
+                                             v_cache.new_zeros(N * B * Hkv * D))
+        P = step.positions_per_slot
+        slots = N * B // P
+        keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D) for buffer in buffers)
+        if step.moves is not None:
+            source, target = step.moves
+            for buffer in (keys, values):
+                buffer[target, :, :step.length] = buffer[source, :, :step.length]
+        if step.fills is not None:
+            targets, blocks, width = step.fills
+            for buffer, cache in ((keys, k_cache), (values, v_cache)):
+                gathered = cache.index_select(0, blocks).view(len(targets), width * B, Hkv, D)  # (k, W B, ..)
+                buffer[targets, :, :width * B] = gathered.transpose(1, 2)  # (k, Hkv, W B, D)
+        return keys, values
