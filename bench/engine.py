@@ -1,23 +1,30 @@
 """Engine throughput benchmark: pdserve's continuous-batching engine vs Hugging Face
 transformers `generate` on the same checkpoint and the same prompts, in the same run.
 
-The checkpoint is a randomly initialised LlamaForCausalLM written with `save_pretrained`
-(transformers is the peer here, so it must be installed: the `dev` extra). Both sides decode
-greedily for exactly `max_tokens` tokens per prompt (EOS ignored); the report gives tokens/s,
-the ratio, the engine's per-step latency percentiles, and how many prompts produced identical
-token ids on both sides. Each side gets one short untimed warm-up generation first.
-`write_random_llama` also gives the tests their small random checkpoints.
+Models: "tiny" is a randomly initialised LlamaForCausalLM written with `save_pretrained` (the
+"bench checkpoint"); "smollm2", a .gguf path or a checkpoint directory load on both sides
+(transformers reads a GGUF through `gguf_file`). transformers is the peer here, so it must be
+installed (the `dev` extra). Prompts are random token ids, lengths from a preset ('short'
+16..128, 'long' 480..512) unless given. Both sides decode greedily for exactly `max_tokens`
+tokens per prompt (EOS ignored); the report gives tokens/s, the ratio, the engine's per-step
+latency percentiles (all steps, steps carrying prefill tokens, decode-only steps), and how many
+prompts produced identical token ids on both sides. Each side gets one short untimed warm-up
+generation first; the engine's warm-up blocks are then evicted from its prefix cache, so the
+timed prompts find nothing cached. `write_random_llama` also gives the tests their checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import tempfile
 import time
 
 import torch
+
+PRESETS = {"short": (16, 128), "long": (480, 512)}  # prompt lengths, inclusive
 
 
 def write_random_llama(path: str, seed: int = 0, vocab: int = 512, hidden: int = 128, layers: int = 4,
@@ -34,39 +41,66 @@ def write_random_llama(path: str, seed: int = 0, vocab: int = 512, hidden: int =
     return path
 
 
-def _percentiles(xs: list[float]) -> dict:
+def _percentiles(xs: list[float]) -> dict | None:
+    if not xs:
+        return None
     s = sorted(xs)
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(s)}
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(s),
+            "count": len(s)}
 
 
-def run_engine(ckpt: str, prompts: list[list[int]], max_tokens: int, block_size: int, progress) -> dict:
+def resolve_model(spec: str, scratch: str, seed: int) -> tuple[str, str, str | None]:
+    """(engine model spec, transformers directory, transformers gguf_file or None) for a --model."""
+    from engine.gguf import is_gguf_spec, resolve_model_spec
+
+    if spec == "tiny":
+        path = write_random_llama(scratch, seed=seed)
+        return path, path, None
+    if is_gguf_spec(spec):
+        path = resolve_model_spec(spec)
+        return spec, os.path.dirname(path), os.path.basename(path)
+    return spec, spec, None
+
+
+def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size: int,
+               max_batched_tokens: int, dtype: str, progress) -> dict:
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
+    from engine.scheduler import SchedulerConfig
 
-    eng = LLMEngine(EngineConfig(model=ckpt, block_size=block_size, num_blocks=4096, num_host_blocks=0))
+    blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts) + 16
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, block_size=block_size, num_blocks=blocks,
+                                 num_host_blocks=0,
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
+    eng.kv.allocator.evict_cached()  # NOTE: else the warm-up's blocks are prefix hits for the timed run
     ids = [eng.add_request(p, params) for p in prompts]
     reqs = [eng.requests[i] for i in ids]
-    steps: list[float] = []
+    steps: list[tuple[float, bool]] = []  # (milliseconds, carried prefill tokens)
     t0 = time.perf_counter()
     while eng.has_work():
         s = time.perf_counter()
         eng.step()
-        steps.append((time.perf_counter() - s) * 1e3)
+        steps.append(((time.perf_counter() - s) * 1e3, eng.last_step_prefill_tokens > 0))
         progress(len(steps))
     wall = time.perf_counter() - t0
     outs = [r.seqs[0].output_ids for r in reqs]
     tokens = sum(len(o) for o in outs)
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": len(steps),
-            "step_ms": _percentiles(steps), "outputs": outs}
+            "step_ms": _percentiles([ms for ms, _ in steps]),
+            "prefill_step_ms": _percentiles([ms for ms, prefill in steps if prefill]),
+            "decode_step_ms": _percentiles([ms for ms, prefill in steps if not prefill]),
+            "prefix_hit_tokens": eng.kv.prefix_hit_tokens, "outputs": outs}
 
 
-def run_hf(ckpt: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    from transformers import LlamaForCausalLM
+def run_hf(directory: str, prompts: list[list[int]], max_tokens: int, gguf_file: str | None = None,
+           dtype: str = "float32") -> dict:
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), **extra).eval()
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -86,27 +120,44 @@ def run_hf(ckpt: str, prompts: list[list[int]], max_tokens: int) -> dict:
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "outputs": gen}
 
 
-def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int = 16, max_prompt: int = 128,
-        block_size: int = 16, seed: int = 0, repeats: int = 3, json_path: str | None = None) -> dict:
-    """Alternate engine and transformers runs `repeats` times; report medians and the median ratio."""
+def _vocab_size(model: str) -> int:
+    from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
+    from engine.loader import read_config
+
+    if is_gguf_spec(model):
+        return int(GGUFFile(resolve_model_spec(model)).hf_config()["vocab_size"])
+    return read_config(model).vocab_size
+
+
+def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = None,
+        max_prompt: int | None = None, block_size: int = 16, seed: int = 0, repeats: int = 3,
+        json_path: str | None = None, model: str = "tiny", preset: str = "short",
+        max_batched_tokens: int = 256, dtype: str = "float32") -> dict:
+    """Alternate engine and transformers runs `repeats` times; report medians and the median ratio.
+    min_prompt/max_prompt override the preset's prompt lengths."""
     from tqdm import tqdm
 
-    rng = random.Random(seed)
-    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randint(min_prompt, max_prompt) - 1)]
-               for _ in range(num_prompts)]
+    low, high = PRESETS[preset]
+    min_prompt = low if min_prompt is None else min_prompt
+    max_prompt = high if max_prompt is None else max_prompt
     engine_runs, hf_runs = [], []
     with tempfile.TemporaryDirectory() as d:
-        ckpt = write_random_llama(d, seed=seed)
-        print(f"checkpoint: random LlamaForCausalLM; {num_prompts} prompts of {min_prompt}..{max_prompt} "
-              f"tokens, {max_tokens} new tokens each, torch threads {torch.get_num_threads()}, "
-              f"{repeats} alternating repeats")
+        engine_model, hf_dir, gguf_file = resolve_model(model, d, seed)
+        vocab = _vocab_size(engine_model)
+        rng = random.Random(seed)
+        prompts = [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(min_prompt, max_prompt) - 1)]
+                   for _ in range(num_prompts)]
+        print(f"model {model}; {num_prompts} prompts of {min_prompt}..{max_prompt} tokens, {max_tokens} new "
+              f"tokens each, {dtype}, step budget {max_batched_tokens} tokens, torch threads "
+              f"{torch.get_num_threads()}, {repeats} alternating repeats")
         for r in range(repeats):
             bar = tqdm(desc=f"[{r + 1}/{repeats}] pdserve engine steps", unit="step")
             tick = lambda n, b=bar: b.update(1)  # noqa: E731
-            engine_runs.append(run_engine(ckpt, prompts, max_tokens, block_size, tick))
+            engine_runs.append(run_engine(engine_model, prompts, max_tokens, block_size, max_batched_tokens,
+                                          dtype, tick))
             bar.close()
             print(f"[{r + 1}/{repeats}] transformers generate (one padded batch) ...", flush=True)
-            hf_runs.append(run_hf(ckpt, prompts, max_tokens))
+            hf_runs.append(run_hf(hf_dir, prompts, max_tokens, gguf_file, dtype))
             print(f"[{r + 1}/{repeats}] pdserve {engine_runs[-1]['tokens_per_s']:.0f} tok/s, "
                   f"transformers {hf_runs[-1]['tokens_per_s']:.0f} tok/s", flush=True)
     same = sum(a == b for a, b in zip(engine_runs[0]["outputs"], hf_runs[0]["outputs"]))
@@ -114,17 +165,22 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int = 16, max_p
         x.pop("outputs")
     med = lambda runs: statistics.median(x["tokens_per_s"] for x in runs)  # noqa: E731
     ratios = [e["tokens_per_s"] / h["tokens_per_s"] for e, h in zip(engine_runs, hf_runs)]
-    result = {"config": {"num_prompts": num_prompts, "max_tokens": max_tokens,
-                         "prompt_len": [min_prompt, max_prompt], "block_size": block_size,
-                         "dtype": "float32", "device": "cpu", "torch_threads": torch.get_num_threads(),
-                         "repeats": repeats},
+    result = {"config": {"model": model, "preset": preset, "num_prompts": num_prompts,
+                         "max_tokens": max_tokens, "prompt_len": [min_prompt, max_prompt],
+                         "block_size": block_size, "max_batched_tokens": max_batched_tokens, "dtype": dtype,
+                         "device": "cpu", "torch_threads": torch.get_num_threads(), "repeats": repeats},
               "pdserve": {"tokens_per_s_median": med(engine_runs), "runs": engine_runs},
               "transformers": {"tokens_per_s_median": med(hf_runs), "runs": hf_runs},
               "speedup_vs_transformers": statistics.median(ratios), "ratios": ratios,
               "identical_outputs": same, "num_prompts": num_prompts}
-    e0 = engine_runs[len(engine_runs) // 2]
-    print(f"pdserve      median {med(engine_runs):9.1f} tok/s  (step p50 {e0['step_ms']['p50']:.1f} ms, "
-          f"p99 {e0['step_ms']['p99']:.1f} ms)")
+    e0 = sorted(engine_runs, key=lambda x: x["tokens_per_s"])[len(engine_runs) // 2]
+    step, pre, dec = e0["step_ms"], e0["prefill_step_ms"], e0["decode_step_ms"]
+    print(f"pdserve      median {med(engine_runs):9.1f} tok/s  (step p50 {step['p50']:.1f} ms, "
+          f"p99 {step['p99']:.1f} ms, p99/p50 {step['p99'] / step['p50']:.2f})")
+    for name, pct in (("prefill-carrying", pre), ("decode-only", dec)):
+        if pct:
+            print(f"  {name:17s} steps {pct['count']:4d}: p50 {pct['p50']:.1f} ms, p90 {pct['p90']:.1f} ms, "
+                  f"p99 {pct['p99']:.1f} ms")
     print(f"transformers median {med(hf_runs):9.1f} tok/s")
     print(f"median ratio {result['speedup_vs_transformers']:.2f}x (per repeat: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}); identical greedy outputs: {same}/{num_prompts}")

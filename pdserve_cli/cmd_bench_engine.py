@@ -9,11 +9,20 @@ HELP = "engine throughput vs Hugging Face transformers generate on the same chec
 
 def add_arguments(p) -> None:
     p.add_argument("--json", help="write the result JSON here")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (a random 4-layer Llama written for the run), 'smollm2', a .gguf path or a "
+                        "checkpoint directory; both sides load it")
+    p.add_argument("--preset", choices=("short", "long"), default="short",
+                   help="prompt lengths: short 16..128, long 480..512 tokens (--min/--max-prompt override)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=16)
-    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=None)
+    p.add_argument("--max-prompt", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="engine step budget: one token per decoding sequence plus prefill chunks (256 keeps "
+                        "a prefill-carrying step within ~3x a decode-only one on the long preset on CPU)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (medians reported)")
     p.add_argument("--threads", type=int, default=1,
@@ -29,5 +38,6 @@ def run(args) -> int:
 
     bench(num_prompts=args.num_prompts, max_tokens=args.max_tokens, min_prompt=args.min_prompt,
           max_prompt=args.max_prompt, block_size=args.block_size, seed=args.seed, repeats=args.repeats,
-          json_path=args.json)
+          json_path=args.json, model=args.model, preset=args.preset,
+          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype)
     return 0
