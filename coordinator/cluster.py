@@ -16,10 +16,11 @@ phases, the baseline behind the same API, ledger, routing and metrics. Every wai
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import time
 import uuid
 
+from coordinator.admission import AdmissionMixin
 from coordinator.config import ClusterConfig
 from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
@@ -36,12 +37,12 @@ from coordinator.workers import (
     command,
     tell,
 )
-from protocol.messages import Abort, Reserve, Submit
+from protocol.messages import Abort, Submit
 
 log = logging.getLogger(__name__)
 
 
-class ClusterBackend(LifecycleMixin, FailoverMixin, ReportsMixin):
+class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin):
     """Prefill + decode actors behind the backend contract (see coordinator.backend)."""
 
     def __init__(self, config: ClusterConfig | None = None, metrics: Metrics | None = None):
@@ -67,6 +68,7 @@ class ClusterBackend(LifecycleMixin, FailoverMixin, ReportsMixin):
         self._lost: set[str] = set()
         self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
         self._joining: dict = {}                     # replacement workers not yet handshaken
+        self._waiters: collections.deque = collections.deque()  # requests waiting for decode room, in order
         self.bind_host = "127.0.0.1"                 # where the report socket binds (set at start)
         self._published: dict = {}                   # model path -> its copy in the object store
         self.keys = None                             # the cluster's protocol.curve.ClusterKeys (start)
@@ -172,49 +174,6 @@ class ClusterBackend(LifecycleMixin, FailoverMixin, ReportsMixin):
             raise ServiceUnavailable(f"worker {target} failed: {type(e).__name__}") from None
         if reply.error:
             raise InvalidRequest(reply.error, param="prompt")
-
-    async def _reserve(self, request: RequestState, epoch: int) -> None:
-        """Credit-based backpressure: a decode worker must admit the coming migration (request.decode
-        first, then the others by free blocks); when all refuse, wait with short sleeps up to
-        reserve_wait_s, then 503. Each refusal is counted."""
-        c, tokens = self.config, len(request.prompt) + len(request.generated) + 1
-        deadline, delay = time.monotonic() + c.reserve_wait_s, 0.01
-        while request.rid in self._requests:  # until dropped (client gone, aborted)
-            loads = sorted((w for w in self._loads("decode")
-                            if w.alive and w.worker_id not in self._lost | request.avoid),
-                           key=lambda w: (w.worker_id != request.decode, -w.free_blocks))
-            if not loads:
-                raise ServiceUnavailable("no live decode worker")
-            if all(request.n * (-(-tokens // w.block_size) + 1) > self.workers[w.worker_id].stats.get(
-                    "total_blocks", 1 << 30) for w in loads):
-                raise InvalidRequest(f"{request.n} x {tokens} tokens (+1 block each) exceed every decode "
-                                     "worker's KV pool", param="prompt")
-            for load in loads:
-                worker = self.workers[load.worker_id]
-                try:
-                    reserve = Reserve(request.rid, epoch, tokens, request.n, request.prefill)
-                    reply = await command(worker, reserve, c.call_timeout_s)
-                except asyncio.TimeoutError:
-                    raise Timeout(f"decode worker {worker.name} did not answer within {c.call_timeout_s}s") \
-                        from None
-                except Exception as e:  # the actor died: say so now, not a heartbeat later, and go on
-                    worker.dead = type(e).__name__
-                    continue
-                if reply.granted:
-                    if request.rid not in self._requests:  # dropped while we waited: give the credit back
-                        tell(worker, Abort(request.rid))
-                        raise ServiceUnavailable("request aborted")
-                    old, request.decode = self.workers.get(request.decode), worker.name
-                    if old is not None and old.name != request.decode:  # an earlier attempt's credit there
-                        tell(old, Abort(request.rid))
-                    return
-                self.metrics.count_backpressure(worker.name)
-            if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"decode workers full: no room for the request within "
-                                         f"{c.reserve_wait_s:g}s")
-            await asyncio.sleep(delay)
-            delay = min(0.2, delay * 2)
-        raise ServiceUnavailable("request aborted")
 
     def _drop(self, request: RequestState, ok: bool) -> None:
         """Forget a request; abort it on both workers unless it finished there."""

@@ -39,6 +39,7 @@ class ClusterConfig:
     colocated: int = 0                # > 0: this many colocated workers instead (no KV moves)
     decode_num_blocks: int = 0        # decode workers' pool size (0: num_blocks)
     reserve_wait_s: float = 30.0      # longest wait for decode room before 503 "decode workers full"
+    max_waiting: int = 256            # requests waiting for decode room; beyond, 429 with Retry-After
     decode_model: str = ""            # decode workers' model ('': model); another model is refused
     gpus_per_worker: float = 1.0      # GPUs each worker asks Ray for when its engine device is cuda
     secure: bool = True               # cluster keys: CURVE on the report socket, signed KV handshakes

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 class ReportsMixin:
     """Needs from the host class: config, workers, ledger, reconciler, metrics, _requests, _joining, _pull,
+    _wake_first_waiter,
     _drop, _spawn, _resend, _resume (see coordinator.cluster and coordinator.failover)."""
 
     async def _read_reports(self) -> None:
@@ -59,6 +60,8 @@ class ReportsMixin:
         for event in report.events:
             self._on_event(worker, event)
         self.ledger.record(worker.name, worker.holdings)
+        if worker.role == "decode":
+            self._wake_first_waiter()  # its room may have changed: the first waiting request tries
         assigned = {rid: {r.prefill, r.decode} for rid, r in self._requests.items()}
         orphans, vanished = self.reconciler.check(worker.name, worker.role, worker.stats, worker.holdings,
                                                   assigned)

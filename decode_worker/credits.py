@@ -33,20 +33,21 @@ class Reservation:
 
 
 class Credits:
-    def __init__(self, block_size: int, ttl_s: float):
+    def __init__(self, block_size: int, ttl_s: float, room_blocks: int):
         self.block_size, self.ttl_s = block_size, ttl_s
         self._lock = threading.Lock()
         self._reserved: dict[str, Reservation] = {}
+        self._room = room_blocks  # free + cached blocks as of the last settle
         self.refused = 0
 
-    def reserve(self, rid: str, epoch: int, num_tokens: int, n: int, sender: str, room_blocks: int) -> bool:
-        """Grant credit if `room_blocks` (free + cached, from the last snapshot) minus the credit
-        already granted holds it; a newer reservation of the same request replaces the older."""
+    def reserve(self, rid: str, epoch: int, num_tokens: int, n: int, sender: str) -> bool:
+        """Grant credit if the room of the last settle minus the credit already granted holds it; a
+        newer reservation of the same request replaces the older."""
         per_sequence = -(-num_tokens // self.block_size) + 1
         with self._lock:
             self._reserved.pop(rid, None)
             self._expire()
-            if n * per_sequence > room_blocks - self._blocks():
+            if n * per_sequence > self._room - self._blocks():
                 self.refused += 1
                 return False
             self._reserved[rid] = Reservation(epoch, sender, n * per_sequence, per_sequence, n, n,
@@ -57,19 +58,20 @@ class Credits:
         with self._lock:
             self._reserved.pop(rid, None)
 
-    def consume(self, rid: str, epoch: int) -> None:
-        """One sequence of the request was imported: its credit became real blocks."""
+    def settle(self, room_blocks: int, imported: list[tuple[str, int]]) -> None:
+        """The pool's room now, and the (request, epoch) of each sequence imported since the last
+        settle, whose credit became real blocks. NOTE: both change together under the lock, so a
+        reservation never sees the blocks counted twice or not at all."""
         with self._lock:
-            r = self._reserved.get(rid)
-            if r is None or r.epoch != epoch:
-                return
-            r.blocks_left -= r.blocks_per_sequence
-            r.sequences_left -= 1
-            if r.sequences_left <= 0:
-                del self._reserved[rid]
-
-    def expire(self) -> None:
-        with self._lock:
+            self._room = room_blocks
+            for rid, epoch in imported:
+                r = self._reserved.get(rid)
+                if r is None or r.epoch != epoch:
+                    continue
+                r.blocks_left -= r.blocks_per_sequence
+                r.sequences_left -= 1
+                if r.sequences_left <= 0:
+                    del self._reserved[rid]
             self._expire()
 
     def reserved_blocks(self) -> int:

@@ -70,11 +70,13 @@ class DecodeHandler:
         from transfer.transport import TransportConfig, tcp_address
 
         self.config, self.engine = config, engine
-        self.credits = Credits(engine.config.block_size, config.reserve_ttl_s)
+        usage = engine.kv.usage()
+        self.credits = Credits(engine.config.block_size, config.reserve_ttl_s,
+                               usage["free_blocks"] + usage["cached_blocks"])
+        self.imported: list[tuple[str, int]] = []  # (request, epoch) since the last settle
         self.expected: dict[str, tuple[int, set[str]]] = {}  # request id -> (epoch, transfer ids running)
         self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
         self.refused_imports = 0
-        self.last_snapshot: dict = engine.kv.usage()
         keys = config.keys
         transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
                                     secret=keys.secret if keys else "")
@@ -90,8 +92,7 @@ class DecodeHandler:
     # ---- the calling thread -----------------------------------------------------------------------
     def accept(self, cmd):
         if isinstance(cmd, Reserve):
-            room = self.last_snapshot["free_blocks"] + self.last_snapshot["cached_blocks"]
-            granted = self.credits.reserve(cmd.request_id, cmd.epoch, cmd.num_tokens, cmd.n, cmd.sender, room)
+            granted = self.credits.reserve(cmd.request_id, cmd.epoch, cmd.num_tokens, cmd.n, cmd.sender)
             if granted:
                 self.expected[cmd.request_id] = (cmd.epoch, set())  # NOTE: before any import can arrive
                 while len(self.expected) > MAX_EXPECTED:
@@ -165,7 +166,7 @@ class DecodeHandler:
         self.engine.add_imported(result.request_id, seq.prompt_ids, params, [seq])
         self.sequences[result.request_id] = (rid, seq)
         running.add(result.request_id)
-        self.credits.consume(rid, result.epoch)
+        self.imported.append((rid, result.epoch))  # its credit is settled with the pool's next room
         events.append(Imported(rid, int(index), result.epoch, len(result.table.blocks), result.nbytes,
                                float(sum(result.timings.values()))))
 
@@ -182,8 +183,9 @@ class DecodeHandler:
                 self.expected.get(rid, (0, set()))[1].discard(o.request_id)
 
     def after_step(self, events: list) -> None:
-        self.credits.expire()
-        self.last_snapshot = self.engine.kv.usage()
+        usage = self.engine.kv.usage()
+        self.credits.settle(usage["free_blocks"] + usage["cached_blocks"], self.imported)
+        self.imported = []
 
     # ---- reports ----------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -181,3 +181,35 @@ def _admission_checks(w) -> None:
     assert reserve("s", 1, 20, 1, "prefill-0")
     time.sleep(1.2)
     assert not credits.admit_transfer("s/0", 1, "prefill-0")      # expired credit
+
+
+def test_beyond_max_waiting_requests_get_429_at_once_and_the_rest_complete(cluster):
+    """With room for 4 requests (2 per decode worker) and one place in line, a burst of 10 gets
+    answers for those that fit or waited, and 429 + Retry-After for the rest, never a long wait."""
+    import dataclasses
+
+    config = cluster.backend.config
+
+    async def set_config(value):
+        cluster.backend.config = value
+    cluster.call(set_config(dataclasses.replace(config, max_waiting=1)))
+    try:
+        prompts = [[(i * 19 + j * 5) % 250 + 1 for j in range(40)] for i in range(10)]
+        body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+
+        def attempt(prompt):
+            try:
+                with cc.post(cluster.port, {"prompt": prompt, **body}) as r:
+                    return r.status, None
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("Retry-After")
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(attempt, prompts))
+    finally:
+        cluster.call(set_config(config))
+    statuses = sorted(status for status, _ in results)
+    assert statuses.count(200) >= 4 and statuses.count(429) >= 1 and set(statuses) <= {200, 429}
+    assert all(retry == "1" for status, retry in results if status == 429)
+    info = cc.wait_at_rest(cluster.port)
+    assert all(w["used_blocks"] == 0 and w.get("reserved_blocks", 0) == 0 for w in info["workers"])
