@@ -54,13 +54,13 @@ class DecodeMirror:
         final_len: the longest any of them can grow to (0: unknown)."""
         num, length = len(seq_ids), max(seq_lens)
         width = -(-length // block_size)
-        if width * block_size > self.positions:  # a new layout: every entry is refilled
-            self.positions = -(-max(final_len, width * block_size) // block_size) * block_size
-            self.entries.clear()
-        if num * length > MAX_PADDING * sum(seq_lens) + num * block_size or \
-                num > pool_tokens // self.positions:
+        layout = -(-max(final_len, width * block_size) // block_size) * block_size
+        if num * length > MAX_PADDING * sum(seq_lens) + num * block_size or num > pool_tokens // layout:
             self.entries.clear()
             return None
+        if width * block_size > self.positions or num > pool_tokens // self.positions:
+            self.positions = layout  # a new layout (longer, or more slots): every entry is refilled
+            self.entries.clear()
         keep: dict[object, int] = {}  # sequences whose entry holds exactly their tokens before this one
         for seq_id, n, table in zip(seq_ids, seq_lens, tables):
             entry = self.entries.get(seq_id)
