@@ -106,7 +106,8 @@ class DecodeMirror:
                                              v_cache.new_zeros(N * B * Hkv * D))
         P = step.positions_per_slot
         slots = N * B // P
-        keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D) for buffer in buffers)
+        keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D)  # (S, Hkv, P, D)
+                        for buffer in buffers)
         if step.moves is not None:
             source, target = step.moves
             for buffer in (keys, values):

@@ -1,15 +1,19 @@
 """Attention in plain torch over the paged KV cache, with separate decode and prefill paths.
 
-Decode (one query per sequence): sequences of similar length form a group; the group's blocks
-(only each sequence's own, padded to the group's longest with the null block) are gathered once
-per layer, and each KV head's query rows attend with two batched matmuls and a softmax under a
-padding bias (no grouped-query expansion, no query padding). The cost follows the tokens
-attended, within the grouping ratio, not batch x longest context. Prefill (more than one query):
-per sequence, causal scaled_dot_product_attention; when nothing was cached the keys are the
-step's own K/V (no pool read), otherwise the sequence's blocks with a lower-right causal mask
-(prefix-cache hit, or a later chunk of a chunked prefill). Masks, gather indices and slot
-block/offset come from the step's `TorchPlan`, built on the first layer. `forward` stores and
-attends; `store_kv` and `paged_attention` are the separate halves (the Triton tests' reference).
+Decode (one query per sequence): in the engine, each sequence's K/V are read where they lie in
+the persistent per-slot decode mirror (engine.attn_mirror), one batched matmul pair over (slot,
+kv head), only the new tokens written per step. Otherwise (ragged batches, standalone callers)
+sequences of similar length form a group whose blocks (only each sequence's own, padded to the
+group's longest with the null block) are gathered once per layer into a reused workspace, and
+the queries attend with two batched matmuls and a softmax under a padding bias (for small GQA
+shapes all heads at once as rows, a head mask hiding the other kv heads); either way no query
+padding, and the cost follows the tokens attended within a bounded padding ratio, not batch x
+longest context. Prefill (more than one query): per sequence, causal scaled_dot_product_attention;
+when nothing was cached the keys are the step's own K/V (no pool read), otherwise the
+sequence's blocks with a lower-right causal mask (prefix-cache hit, or a later chunk of a
+chunked prefill). Masks, indices and slot block/offset come from the step's `TorchPlan`, built
+on the first layer. `forward` stores and attends; `store_kv` and `paged_attention` are the two
+halves (the Triton tests' reference).
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ class Workspace:
     that, on CPU, rival the attention arithmetic itself), and the decode mirror. Not thread-safe:
     one per engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, mirror: bool = True) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self.mirror = DecodeMirror()
+        self.mirror = DecodeMirror() if mirror else None
 
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor of `shape` with `like`'s dtype and device (contents undefined)."""
@@ -41,7 +45,7 @@ class Workspace:
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = self._buffers[name] = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
-        return buf[:numel].view(shape)
+        return buf[:numel].view(shape)  # (*shape)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspace | None,
@@ -71,10 +75,12 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, layer
         _, B, Hkv, _ = k_cache.shape
         mirror = None
         decode = [s for s, n in enumerate(meta.query_lens_host) if n == 1]
-        if decode and layer is not None and meta.workspace is not None and meta.seq_ids is not None:
+        workspace = meta.workspace
+        if decode and layer is not None and workspace is not None and workspace.mirror is not None \
+                and meta.seq_ids is not None:
             starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
             final = max(meta.final_lens[s] for s in decode) if meta.final_lens else 0
-            mirror = meta.workspace.mirror.plan(
+            mirror = workspace.mirror.plan(
                 [meta.seq_ids[s] for s in decode], [starts[s] for s in decode],
                 [meta.seq_lens_host[s] for s in decode], [meta.tables_host[s] for s in decode], final, B,
                 Hkv, k_cache.shape[0] * B, q.dtype, q.device)

@@ -46,6 +46,7 @@ class EngineConfig:
     num_host_blocks: int = 256       # host swap pool in blocks (0 disables swap preemption)
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
+    decode_mirror: bool = True       # torch backend: decode reads a per-slot K/V buffer (2x KV memory)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
 
@@ -83,7 +84,7 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,
                                  config.enable_prefix_caching, host)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.workspace = Workspace()  # the torch attention's gather buffers, reused every step
+        self.workspace = Workspace(config.decode_mirror)  # the torch attention's buffers and mirror
         self.requests: dict[str, Request] = {}
         self.prefilled: dict[str, Request] = {}  # prefill role: first token out, blocks held
         self.steps = 0
@@ -167,8 +168,7 @@ class LLMEngine:
         by_req: dict[str, tuple[Request, dict[int, int]]] = {}  # request id -> (request, seq_id -> row)
         for i, (req, s) in enumerate(ready):
             by_req.setdefault(req.request_id, (req, {}))[1][s.seq_id] = i
-        outputs: list[StepOutput] = []
-        batch: list[tuple[Request, Sequence, int]] = []  # (request, sequence, logits row) to sample
+        outputs, batch = [], []  # StepOutputs; (request, sequence, logits row) to sample
         for req, row_of in by_req.values():
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()

@@ -1,7 +1,8 @@
 """Chunked prefill and the step budget: the same tokens as an unchunked prefill, decodes keep
 running while a long prompt is chunked, prefill progress (computed blocks) after every step,
 the prefill role holding a chunked prompt's blocks, and preemption by swap of n > 1 requests
-(swap-in reserving a block per running sequence) keeping seeded outputs unchanged."""
+(swap-in reserving a block per running sequence) keeping seeded outputs unchanged; padded table
+entries name the null block; the decode mirror and the block gather give the same tokens."""
 
 import pytest
 import torch
@@ -140,3 +141,11 @@ def test_padding_points_at_the_null_block_which_stays_zero(loaded):
     for layer in range(2):
         k_cache, v_cache = eng.storage.layer_view(layer)
         assert torch.count_nonzero(k_cache[null]) == 0 and torch.count_nonzero(v_cache[null]) == 0
+
+
+def test_decode_mirror_and_block_gather_give_the_same_tokens(loaded):
+    params = SamplingParams(max_tokens=20, n=2, temperature=0.7, seed=3, ignore_eos=True)
+    prompts = _prompts((9, 50, 31))
+    runs = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror)
+            .generate(prompts, params) for mirror in (True, False)]
+    assert [c.choices for c in runs[0]] == [c.choices for c in runs[1]]
