@@ -92,12 +92,26 @@ def _open_request(http_server: Server, body: dict) -> socket.socket:
     return s
 
 
+@pytest.fixture(scope="module")
+def roomy_server(http_loop):
+    """A server whose pool holds 16 choices of 2,000 tokens: a request that outlasts any delay in
+    noticing the client leave (the default pool would finish a long request in ~2 s)."""
+    from dataclasses import replace
+
+    backend = LocalEngineBackend(replace(CONFIG, num_blocks=2100)).start()
+    served = serve(http_loop, backend)
+    yield served
+    asyncio.run_coroutine_threadsafe(served.runner.cleanup(), http_loop).result(30)
+    backend.close()
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_frees_every_block(http_server, stream):
+def test_client_disconnect_frees_every_block(roomy_server, stream):
+    http_server = roomy_server
     aborted = http_server.backend.aborted
     gone = http_server.metric("pdserve_requests_total", status="aborted")
-    s = _open_request(http_server, {"model": "tiny", "prompt": "a long one", "max_tokens": 1500,
-                                    "stream": stream, "ignore_eos": True})
+    s = _open_request(http_server, {"model": "tiny", "prompt": "a long one", "max_tokens": 2000, "n": 16,
+                                    "temperature": 1.0, "stream": stream, "ignore_eos": True})
     if stream:
         got = b""
         while b"data: " not in got:
