@@ -1,8 +1,10 @@
 """Continuous reconciliation of the ledger against what each worker reports holding.
 
 On every `WorkerReport` the coordinator records the worker's holdings in the ledger and asks
-`Reconciler.check` what disagrees. Three kinds of discrepancy, each counted once it has
-outlived `grace_s` (a report can race a command in flight, so a moment's difference is normal):
+`Reconciler.check` what disagrees. Three kinds of discrepancy, each counted once it has outlived
+`grace_s` and `MIN_REPORTS` consecutive reports of that worker (a report can race a command still
+queued on the worker, and a worker whose loop was busy for seconds, e.g. migrating, reports the
+queued command only in its next reports, so neither time nor one report alone is enough):
 - `orphan`: the worker holds blocks for a request that is not live, or not assigned to it:
   repaired by aborting the request on that worker (its blocks are freed);
 - `vanished`: the ledger says the worker is responsible for a live request (prefilling on it,
@@ -19,13 +21,14 @@ import time
 from coordinator.ledger import Ledger, Phase
 
 log = logging.getLogger(__name__)
+MIN_REPORTS = 3
 
 
 class Reconciler:
     def __init__(self, ledger: Ledger, grace_s: float, count):
         """count(kind): called once per discrepancy that outlived grace_s."""
         self.ledger, self.grace_s, self.count = ledger, grace_s, count
-        self._since: dict[tuple[str, str, str], float] = {}  # (kind, worker, request) -> first seen
+        self._since: dict[tuple[str, str, str], list] = {}  # (kind, worker, request) -> [first seen, reports]
 
     def check(self, worker: str, role: str, stats: dict, holdings: dict[str, int],
               assigned: dict[str, set[str]]) -> tuple[list[str], list[str]]:
@@ -47,8 +50,9 @@ class Reconciler:
         for kind, rid in found:
             key = (kind, worker, rid)
             seen.add(key)
-            first = self._since.setdefault(key, now)
-            if now - first > self.grace_s:
+            seen_since = self._since.setdefault(key, [now, 0])
+            seen_since[1] += 1
+            if now - seen_since[0] > self.grace_s and seen_since[1] >= MIN_REPORTS:
                 due[kind].append(rid)
                 del self._since[key]  # counted once; a repair that does not take is counted again
         for key in [k for k in self._since if k[1] == worker and k not in seen]:

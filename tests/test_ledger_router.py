@@ -86,3 +86,22 @@ def test_prefix_aware_sends_a_shared_prefix_to_the_same_worker():
     ws[1].free_blocks = 10  # b is now busier, but holds the prefix
     assert r.pick(ws, "prefill", prefix + [7, 8, 9]) == "b"
     assert r.pick(ws, "prefill", [99] * 20) == "a"  # unrelated prompt: least loaded
+
+
+def test_reconciler_waits_for_reports_not_only_time(monkeypatch):
+    """A worker busy for seconds (a migration) reports a queued Submit only in its next reports:
+    a request missing from two reports spread over 2 s is not yet a discrepancy."""
+    import coordinator.reconcile as rec
+
+    now = [0.0]
+    monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
+    led, counted = Ledger(), []
+    reconciler = rec.Reconciler(led, grace_s=1.0, count=counted.append)
+    led.open("queued")
+    led.move("queued", Phase.PREFILLING, "p0")
+    assigned = {"queued": {"p0", "d0"}}
+    assert reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned) == ([], [])
+    now[0] += 2.0  # the worker's loop was busy: its next report still lacks the request
+    assert reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned) == ([], [])
+    assert reconciler.check("p0", "prefill", {"used_blocks": 0}, {"queued": 0}, assigned) == ([], [])
+    assert counted == []
