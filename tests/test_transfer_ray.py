@@ -2,6 +2,8 @@
 object store into an actor's pool with re-blocking and dedupe, typed nacks back to the sender
 with the actor's pool unchanged, and a dead receiver turning into a bounded TransferTimeout."""
 
+import time
+
 import pytest
 import torch
 
@@ -86,6 +88,13 @@ def test_ray_dead_receiver_is_a_bounded_timeout(ray_session):
     tx = RaySender(src.storage.layout.fingerprint(), recv, TransportConfig(checksum_mode="manifest"))
     tx.connect(timeout=60)
     ray.kill(recv)
+    deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone: wait until it is
+    while time.monotonic() < deadline:
+        try:
+            ray.get(recv.stats.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            break
+        time.sleep(0.1)
     fill_random_sequence(src, "a", 20, torch.Generator().manual_seed(1))
     with pytest.raises(E.TransferTimeout):
         tx.migrate(src, "a", "r", 1, dedupe=False, timeout=20)
