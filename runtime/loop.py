@@ -120,11 +120,11 @@ class WorkerLoop:
         try:
             while not self._stop.is_set():
                 events: list = []
-                timeout = cfg.busy_poll_s if handler.engine.has_work() else cfg.idle_poll_s
-                if wait is not None:
-                    wait(self, timeout, events)
-                else:
-                    self.drain(events, timeout)
+                busy = handler.engine.has_work()
+                if wait is not None:  # e.g. the decode role's KV receiver
+                    wait(self, cfg.busy_poll_s if busy else cfg.idle_poll_s, events)
+                else:  # NOTE: with engine work, take what is queued and step at once (no wait)
+                    self.drain(events, None if busy else cfg.idle_poll_s)
                 if self._stop.is_set():
                     break
                 if handler.engine.has_work():
