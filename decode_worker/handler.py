@@ -21,6 +21,7 @@ from protocol.sampling import SamplingParams
 from runtime.actor import QUEUE, WorkerConfig
 from runtime.holdings import blocks_by_request
 from transfer.errors import TransferError
+from transfer.metrics import DEFAULT_METRICS
 
 log = logging.getLogger(__name__)
 MAX_EXPECTED = 100_000  # bound on remembered request registrations (aborts normally remove them)
@@ -189,8 +190,10 @@ class DecodeHandler:
 
     # ---- reports ----------------------------------------------------------------------------------
     def stats(self) -> dict:
+        errors = DEFAULT_METRICS.snapshot()["errors"]  # this process's receiver
         return {"refused_imports": self.refused_imports, "reserved_blocks": self.credits.reserved_blocks(),
-                "refused_reservations": self.credits.refused}
+                "refused_reservations": self.credits.refused, "transfer_errors": sum(errors.values()),
+                "checksum_errors": errors.get("checksum", 0)}
 
     def holdings(self) -> dict[str, int]:
         landing = self.receiver.in_flight() if self.config.transport == "zmq" else {}

@@ -62,6 +62,7 @@ class PrefillHandler:
         keys = config.keys
         self.senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
                                   config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
+        self.faults = self.senders.faults  # what InjectFault arms (the chaos benchmark)
         self.prefills = self.resends = self.hold_expired = 0
 
     # ---- the calling thread -----------------------------------------------------------------------
@@ -197,7 +198,9 @@ class PrefillHandler:
     def stats(self) -> dict:
         return {"held_requests": len(self.engine.prefilled), "held_for_resend": len(self.held),
                 "prefills": self.prefills, "resends": self.resends, "hold_expired": self.hold_expired,
-                "prefix_hit_tokens": self.engine.kv.prefix_hit_tokens, "leases": len(self.leases)}
+                "prefix_hit_tokens": self.engine.kv.prefix_hit_tokens, "leases": len(self.leases),
+                "faults_injected": sum(self.faults.injected.values()),
+                "corruptions_injected": self.faults.corruptions()}
 
     def holdings(self) -> dict[str, int]:
         from runtime.holdings import blocks_by_request

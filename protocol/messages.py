@@ -93,16 +93,26 @@ class Describe:
     """Ask a worker for its `WorkerInfo`."""
 
 
+# Faults a prefill worker's senders can inject into its next transfers (transfer.faults applies them).
+TRANSFER_FAULTS = ("drop_control", "dup_control", "delay_control", "drop_data", "dup_data", "delay_data",
+                   "reorder_data", "flip_payload", "flip_manifest")
+
+
 @message
 @dataclass(frozen=True)
 class InjectFault:
-    """Tests: 'hang' wedges the loop thread (no steps, no imports, no reports) until shutdown."""
+    """Tests and the chaos benchmark. 'hang' wedges the loop thread (no steps, no imports, no
+    reports) until shutdown; a kind in TRANSFER_FAULTS (prefill workers only) hits each of the
+    worker's next `count` migrations with that fault."""
 
     kind: str
+    count: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind != "hang":
+        if self.kind != "hang" and self.kind not in TRANSFER_FAULTS:
             raise ValueError(f"unknown fault {self.kind!r}")
+        if not 1 <= self.count <= 10_000:
+            raise ValueError(f"fault count {self.count} is outside 1..10000")
 
 
 # ---- replies ----------------------------------------------------------------------------------

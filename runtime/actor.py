@@ -99,7 +99,13 @@ class WorkerActor:
         if isinstance(cmd, Describe):
             return self.describe()
         if isinstance(cmd, InjectFault):
-            self.loop.hang()
+            if cmd.kind == "hang":
+                self.loop.hang()
+                return Reply()
+            faults = getattr(self.handler, "faults", None)
+            if faults is None:
+                return Reply(error=f"a {self.role} worker cannot inject {cmd.kind!r}")
+            faults.arm(cmd.kind, cmd.count)
             return Reply()
         route = self.handler.accept(cmd)
         if route == QUEUE:
@@ -131,9 +137,9 @@ class WorkerActor:
     def stats(self) -> dict:
         return self.loop.stats()
 
-    def inject_fault(self, kind: str) -> None:
+    def inject_fault(self, kind: str, count: int = 1) -> None:
         """Tests and the chaos benchmark: the same as the `InjectFault` command."""
-        self._answer(InjectFault(kind))
+        self._answer(InjectFault(kind, count))
 
     def shutdown(self) -> None:
         self.loop.shutdown()

@@ -15,7 +15,7 @@ from zmq_helpers import Served, pool, snapshot
 from bench.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.checksum import checksum
-from transfer.codec import encode
+from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
 from transfer.messages import PROTOCOL_VERSION, Hello
 from transfer.transport import TransportConfig
@@ -54,7 +54,7 @@ class RawPeer:
 
 def _stream(ex, token, tamper=None):
     """The messages of a transfer; `tamper(i, header, chunk)` returns the messages for chunk i."""
-    msgs = [[TOKEN.pack(b"M", token), encode(ex.manifest)]]
+    msgs = [[TOKEN.pack(b"M", token), seal(encode(ex.manifest))]]
     for i, (f, c, view, _) in enumerate(ex.chunks()):
         msg = [DATA.pack(b"D", token, f, c, checksum(view)), bytes(view)]
         msgs += tamper(i, *msg) if tamper else [msg]
@@ -64,7 +64,7 @@ def _stream(ex, token, tamper=None):
 def _manifest_version(ex, v):
     d = msgpack.unpackb(encode(ex.manifest), raw=False)
     d["v"] = v
-    return msgpack.packb(d, use_bin_type=True)
+    return seal(msgpack.packb(d, use_bin_type=True))
 
 
 WIRE_BAD = {  # 200 tokens of 128 bytes in 4096-byte chunks: chunks 0..6
@@ -77,7 +77,7 @@ WIRE_BAD = {  # 200 tokens of 128 bytes in 4096-byte chunks: chunks 0..6
 
 
 @pytest.mark.parametrize("case", sorted(WIRE_BAD) + ["unknown version", "garbage", "vanishing sender",
-                                                     "no handshake"])
+                                                     "no handshake", "flipped manifest bit"])
 def test_receiver_survives_bad_traffic_with_pool_unchanged(gen, case):
     src, dst = pool(), pool()
     fill_random_sequence(dst, "resident", 30, gen)
@@ -104,6 +104,12 @@ def test_receiver_survives_bad_traffic_with_pool_unchanged(gen, case):
             err = E.HandshakeRequired
             raw.sock.send_multipart(_stream(ex, 1)[0])
             assert raw.reply()[1]["code"] == "handshake"
+        elif case == "flipped manifest bit":  # e.g. a token id or a sampling seed: refused whole
+            err = E.ChecksumError
+            body = bytearray(seal(encode(ex.manifest)))
+            body[len(body) // 2] ^= 0x10
+            raw.sock.send_multipart([TOKEN.pack(b"M", 1), bytes(body)])
+            assert raw.reply()[1]["code"] == "checksum"
         elif case == "garbage":
             err = E.MalformedMessage
             raw.sock.send_multipart([b"\xff\x00garbage", b"\x00" * 100])

@@ -3,14 +3,17 @@
 `encode(msg)` packs a message's wire dict. `decode(data, limits, expect)` refuses oversized input
 before parsing, turns any parse failure into `MalformedMessage`, checks the protocol version
 (`ProtocolVersionError`) and the kind, then hands the dict to the message's strict schema.
-Payload frames never pass through here: they travel as raw bytes beside the manifest.
+Payload frames never pass through here: they travel as raw bytes beside the manifest. Between
+processes a manifest is `seal`ed with its own checksum and `unseal`ed before decoding.
 """
 
 from __future__ import annotations
 
 import msgpack
 
+from transfer.checksum import checksum
 from transfer.errors import (
+    ChecksumError,
     LimitExceeded,
     MalformedMessage,
     ProtocolVersionError,
@@ -61,6 +64,23 @@ def decode(data, limits: Limits = DEFAULT_LIMITS, expect=None):
     if expect is not None and not (cls in expect if isinstance(expect, tuple) else cls is expect):
         raise MalformedMessage(f"unexpected message kind {kind!r}")
     return cls.from_wire(d, limits)
+
+
+def seal(body: bytes) -> bytes:
+    """A manifest as it crosses a process boundary: its msgpack bytes and their xxh3-64 (8 bytes,
+    little endian), so a flipped bit anywhere in it (a token id, a sampling seed) is refused."""
+    return body + checksum(body).to_bytes(8, "little")
+
+
+def unseal(data) -> memoryview:
+    """The body of a sealed manifest; ChecksumError when it does not match its digest."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < 8:
+        raise MalformedMessage(f"sealed manifest of {view.nbytes} bytes")
+    body = view[:-8]
+    if checksum(body) != int.from_bytes(view[-8:], "little"):
+        raise ChecksumError("manifest failed its checksum")
+    return body
 
 
 def decode_manifest(data, limits: Limits = DEFAULT_LIMITS):

@@ -20,7 +20,7 @@ import numpy as np
 
 from transfer.admission import OPEN, refused
 from transfer.blocks import prefix_hashes_at
-from transfer.codec import decode, decode_reply, encode
+from transfer.codec import decode, decode_reply, encode, seal, unseal
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     HandshakeRequired,
@@ -89,7 +89,7 @@ class RayReceiverEndpoint:
         which the owner joins to its batch exactly as it does a ZeroMQ receiver's `poll` result."""
         t0 = time.perf_counter()
         try:
-            m = decode(manifest, self.config.limits, Manifest)
+            m = decode(unseal(manifest), self.config.limits, Manifest)
         except TransferError as e:
             return self._nack(e), None
         entry = self.plans.get(str(conn))
@@ -113,8 +113,9 @@ class RaySender:
     """Prefill side: one connection to a receiving actor (any actor exposing the kv_* methods)."""
 
     def __init__(self, fingerprint: dict, actor, config: TransportConfig | None = None, *,
-                 metrics: TransferMetrics | None = None):
+                 metrics: TransferMetrics | None = None, faults=None):
         self.fingerprint, self.actor = dict(fingerprint), actor
+        self.faults = faults  # transfer.faults.Faults (chaos benchmark), or None
         self.config = config or TransportConfig(checksum_mode="manifest")
         self.metrics = metrics or DEFAULT_METRICS
         self.conn = uuid.uuid4().hex
@@ -168,11 +169,21 @@ class RaySender:
         m = exported.manifest
         if exported.frames is None:
             raise ValueError("the Ray transport needs host frames: export with checksum_mode='manifest'")
+        timeout = timeout or self.config.transfer_timeout_s
+        bodies, frames = [seal(encode(m))], list(enumerate(exported.frames))
+        fault = self.faults.take() if self.faults is not None else None
+        if fault is not None:  # chaos benchmark: whole frames are this transport's data messages
+            bodies, frames = self.faults.manifest(fault, bodies[0]), list(self.faults.chunks(fault, frames))
+        if not bodies:  # a dropped call: the sender waits out its bound, as for a lost message
+            time.sleep(timeout)
+            err = TransferTimeout(f"no ack from the receiving actor within {timeout}s")
+            self.metrics.record_error(err)
+            raise err
         # Ray copies each frame into its object store when the call is submitted (small ones travel
         # inline with the call); the receiver reads them zero-copy from shared memory.
-        call = self.actor.kv_receive.remote(self.conn, encode(m),
-                                            *(np.frombuffer(f, dtype=np.uint8) for f in exported.frames))
-        data = self._get(call, timeout or self.config.transfer_timeout_s, "ack")  # timeout: lease kept
+        args = [np.frombuffer(f, dtype=np.uint8) for _, f in frames]
+        calls = [self.actor.kv_receive.remote(self.conn, body, *args) for body in bodies]
+        data = self._get(calls[-1], timeout, "ack")  # timeout: lease kept
         try:
             ack = _reply_of(self, data, Ack)
         finally:

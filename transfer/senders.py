@@ -10,6 +10,7 @@ Use from one thread (the owner's loop).
 from __future__ import annotations
 
 from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
+from transfer.faults import Faults
 from transfer.transport import TransportConfig
 
 
@@ -21,6 +22,7 @@ class SenderPool:
         self.peer_name, self.transport, self.fingerprint = peer_name, transport, dict(fingerprint)
         self.namespace, self.transfer_timeout_s, self.secret = namespace, transfer_timeout_s, secret
         self._senders: dict[str, object] = {}
+        self.faults = Faults()  # armed by the chaos benchmark (InjectFault); idle otherwise
 
     def get(self, name: str, address: str):
         sender = self._senders.get(name)
@@ -34,10 +36,11 @@ class SenderPool:
                 import ray
 
                 from transfer.ray_transport import RaySender
-                sender = RaySender(self.fingerprint, ray.get_actor(name, namespace=self.namespace), config)
+                sender = RaySender(self.fingerprint, ray.get_actor(name, namespace=self.namespace), config,
+                                   faults=self.faults)
             else:
                 from transfer.zmq_transport import ZmqSender
-                sender = ZmqSender(self.fingerprint, config)
+                sender = ZmqSender(self.fingerprint, config, faults=self.faults)
             self._senders[name] = sender
         return sender
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import zmq
 
 from transfer.admission import OPEN, refused
-from transfer.codec import decode, encode
+from transfer.codec import decode, encode, unseal
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     FrameCountError,
@@ -236,13 +236,16 @@ class ZmqReceiver:
 
     def _manifest(self, ident: bytes, peer: _Peer, token: int, body) -> None:
         header = TOKEN.pack(b"A", token)
+        if peer.session is not None and token == peer.token:  # a duplicated manifest: already serving it
+            self.metrics.add("duplicate_manifests")
+            return None
         if peer.session is not None:  # the previous transfer never ended: abandon it, keep serving
             try:
                 self._fail(ident, peer, FrameCountError("new manifest before the previous transfer ended"))
             except TransferError:
                 pass
         try:
-            m = decode(body, self.config.limits, Manifest)
+            m = decode(unseal(body), self.config.limits, Manifest)
         except TransferError as e:
             return self._refuse(ident, header, e)
         if peer.plan is None:

@@ -14,7 +14,7 @@ import zmq
 
 from transfer.blocks import prefix_hashes_at
 from transfer.checksum import checksum
-from transfer.codec import decode_reply, encode
+from transfer.codec import decode_reply, encode, seal
 from transfer.errors import MalformedMessage, TransferError, TransferTimeout
 from transfer.export import ExportedSequence
 from transfer.messages import Ack, Held, HelloReply, Query
@@ -28,9 +28,10 @@ class ZmqSender:
     """One connection from a prefill worker (layout `fingerprint`) to a receiver at config.address."""
 
     def __init__(self, fingerprint: dict, config: TransportConfig | None = None, *,
-                 metrics: TransferMetrics | None = None):
+                 metrics: TransferMetrics | None = None, faults=None):
         self.fingerprint, self.config = dict(fingerprint), config or TransportConfig()
         self.metrics = metrics or DEFAULT_METRICS
+        self.faults = faults  # transfer.faults.Faults (chaos benchmark), or None
         self.ctx = zmq.Context(io_threads=self.config.io_threads)
         self.sock = None
         self.plan: CompatPlan | None = None
@@ -117,10 +118,16 @@ class ZmqSender:
         token, ack_header = self._token, TOKEN.pack(b"A", self._token)
         deadline = time.monotonic() + (timeout or self.config.transfer_timeout_s)
         sock, inline, reply = self.sock, m.checksum_mode == "inline", None
+        fault = self.faults.take() if self.faults is not None else None
+        bodies = [seal(encode(m))]
+        items = (((f, c, slot, checksum(view) if inline else 0), view)
+                 for f, c, view, slot in exported.chunks())
+        if fault is not None:  # chaos benchmark: after hashing, so a flipped copy fails its checksum
+            bodies, items = self.faults.manifest(fault, bodies[0]), self.faults.chunks(fault, items)
         try:
-            sock.send_multipart([TOKEN.pack(b"M", token), encode(m)])
-            for f, c, view, slot in exported.chunks():
-                cs = checksum(view) if inline else 0
+            for body in bodies:
+                sock.send_multipart([TOKEN.pack(b"M", token), body])
+            for (f, c, slot, cs), view in items:
                 tracker = sock.send_multipart([DATA.pack(b"D", token, f, c, cs), view], copy=False,
                                               track=slot is not None)
                 if slot is not None:
