@@ -2,14 +2,23 @@
 
 Each point fills a sender pool with random non-zero KV for one sequence, then per repeat runs
 export -> wire -> import into a receiver pool that lives in another process (a spawned
-`bench.migrate_peer` for ZeroMQ, a `bench.ray_receiver.PoolReceiver` actor for Ray), and checks
-that the receiver's KV digest equals the sender's. Reported per point: p50/p99 latency, GB/s at
-p50, the export / wire / import split (export: building manifest and frames; import: the
-receiver's validate+reserve and commit phases, or the whole actor call for Ray; wire: the rest,
-which includes the overlapped chunk copies and checksums), the manifest's size against the
-payload, frames and chunks. Baselines (memcpy, raw_tcp, pickle_pipe, nixl, and the xxh3 checksum
-speed; `bench.baselines`) are measured in the same run over the same payload sizes, each size
-right after its transfers (same machine load). `bench.migrate_report` summarises and plots it.
+`bench.migrate_peer` for ZeroMQ, a `bench.ray_receiver.PoolReceiver` actor for Ray; both pools
+are built the same way: prefix caching on, prefaulted), and checks that the receiver's KV digest
+equals the sender's. Reported per point: p50/p99 latency, GB/s at p50, the export / wire / import
+split (export: building manifest and frames; import: the receiver's validate+reserve and commit
+phases, or the whole actor call for Ray; wire: the rest, which includes the overlapped chunk
+copies and checksums), the manifest's size against the payload, frames and chunks.
+
+Every timed migration is also recorded in the report's `timeline` (start time from the first
+migration, the sender's export and wire spans, the receiver's phase timings from the Ack), which
+`bench.migrate_trace` turns into a Chrome trace (`--trace`).
+
+Baselines (memcpy, a well-made raw_tcp socket between two processes, ray_put_get, pickle_pipe,
+nixl, and the xxh3 checksum speed; `bench.baselines`) are measured in the same run over the same
+payload sizes, each size right after its transfers (same machine load); ray_put_get reuses the Ray
+instance started for the `ray` transport. `bench.migrate_report` summarises (ratios against the
+baselines at the largest size, the fixed overhead as the intercept of a latency-vs-bytes fit over
+the small points) and plots it.
 """
 
 from __future__ import annotations
@@ -161,7 +170,9 @@ def _warm_object_store(actor, store_bytes: int, piece: int = 64 << 20) -> None:
         del refs
 
 
-def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: int, tag: str) -> dict:
+def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: int, tag: str,
+             timeline: list | None = None, origin: float = 0.0) -> dict:
+    """One point; appends each timed migration's spans to `timeline` (times from `origin`)."""
     sender = recv.senders[transport]
     mode = "manifest" if transport == "ray" else "inline"
     ecfg = ExportConfig(chunk_bytes=cfg.chunk_bytes, checksum_mode=mode)
@@ -181,6 +192,11 @@ def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: in
             exp.append(t1 - t0)
             tm = ack.timings
             imp.append((tm.get("receive_ms") or tm.get("prepare_ms", 0) + tm.get("commit_ms", 0)) / 1e3)
+            if timeline is not None:
+                timeline.append({"transport": transport, "request_id": rid, "repeat": r - cfg.warmup,
+                                 "bytes": ex.manifest.payload_bytes, "start_ms": (t0 - origin) * 1e3,
+                                 "export_ms": (t1 - t0) * 1e3, "wire_ms": (t2 - t1) * 1e3,
+                                 "verified": got == digest, "receiver_ms": dict(tm)})
     m = ex.manifest
     nbytes = m.payload_bytes
     p50 = _pct(lat, 50)
@@ -197,7 +213,7 @@ def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: in
 
 
 def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen, progress,
-                store: int, base) -> list[dict]:
+                store: int, base, timeline: list | None = None, origin: float = 0.0) -> list[dict]:
     """Every (tokens, transport) point of one KV layout; receivers are set up once for it."""
     B, rows = layout_args[3], []
     num_blocks = blocks_for(max(cfg.tokens), B) + 2
@@ -211,7 +227,11 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
             digest = kv_digest(src, "s")
             for transport in cfg.transports:
                 row = {"transport": transport, "kv_shape": shape_name, "tokens": T, "block_size": B}
-                row.update(_measure(cfg, recv, transport, src, digest, f"{transport}-{shape_name}-{B}-{T}"))
+                spans: list = []
+                row.update(_measure(cfg, recv, transport, src, digest, f"{transport}-{shape_name}-{B}-{T}",
+                                    spans, origin))
+                if timeline is not None:
+                    timeline += [{"kv_shape": shape_name, "tokens": T, "block_size": B, **m} for m in spans]
                 rows.append(row)
                 progress(row)
             if base is not None:
@@ -224,7 +244,8 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
-    """Run every point and the baselines; returns {"results": [...], "baselines": [...]}."""
+    """Run every point and the baselines; returns {"results": [...], "baselines": [...],
+    "timeline": [...]} (timeline: one record per timed migration, see `bench.migrate_trace`)."""
     shapes = [(name, parse_kv_shape(name)) for name in cfg.kv_shapes]
     unknown = set(cfg.transports) - set(TRANSPORTS)
     if unknown:
@@ -240,7 +261,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             f"p99 {row['latency_ms_p99']:.2f} ms, {row['gb_per_s']:.2f} GB/s, verified={row['verified']}")
 
     peer = PeerProcess() if any(t.startswith("zmq") for t in cfg.transports) or cfg.baselines else None
-    ray_started, results, store, base = False, [], 0, None
+    ray_started, results, store, base, timeline = False, [], 0, None, []
+    origin = time.perf_counter()
     try:
         base = Baselines(peer, cfg.repeats, log) if cfg.baselines else None
         if "ray" in cfg.transports:
@@ -255,7 +277,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             ray_started = True
         for shape_name, (L, H, D, dtype) in shapes:
             for B in cfg.block_sizes:
-                results += _run_layout(cfg, peer, shape_name, (L, H, D, B, dtype), gen, progress, store, base)
+                results += _run_layout(cfg, peer, shape_name, (L, H, D, B, dtype), gen, progress, store, base,
+                                       timeline, origin)
     finally:
         if base is not None:
             base.close()
@@ -265,5 +288,5 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             import ray
 
             ray.shutdown()
-    return {"results": results, "baselines": base.rows if base is not None else []}
+    return {"results": results, "baselines": base.rows if base is not None else [], "timeline": timeline}
 

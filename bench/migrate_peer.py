@@ -3,8 +3,14 @@
 It owns its own pool and a `ZmqReceiver`, so every measured transfer crosses a real socket
 between two processes. The benchmark drives it over a REQ/REP control socket with msgpack
 commands (no pickle): `setup` (pool + receiver, returns the bound address), `result` (digest and
-timings of a committed import, then scrub and free it), `raw_tcp` (receive N bytes over a plain
-socket into a preallocated buffer: the raw loopback baseline), `stats`, `quit`.
+timings of a committed import, then scrub and free it), `raw_tcp` (a listening sink that receives
+N bytes per transfer into a preallocated, pre-touched buffer in 1 MiB `recv_into` pieces and
+confirms each with one byte, over one reused connection: the raw loopback baseline),
+`raw_tcp_digest` (xxh3 of that buffer, to verify the baseline), `stats`, `quit`.
+
+The pool is built exactly as the Ray receiver's (`bench.ray_receiver.PoolReceiver` as the
+benchmark makes it): `bench.pools.make_manager` with prefix caching on and every page prefaulted,
+and an import is released the same way (its unshared blocks scrubbed, then freed and uncached).
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import time
 
 import msgpack
 import numpy as np
+import xxhash
 import zmq
 
-from bench.pools import kv_digest, make_manager, scrub_blocks
+from bench.pools import kv_digest, make_manager
+from bench.ray_receiver import release_import
 from kvcache.storage import KVLayout
 from transfer.errors import TransferError
 from transfer.metrics import TransferMetrics
@@ -38,7 +46,8 @@ class Peer:
         if self.rx is not None:
             self.rx.close()
         self.results.clear()
-        self.manager = make_manager(KVLayout(*cmd["layout"]), cmd["num_blocks"], prefix_caching=False,
+        # NOTE: the same settings as bench.ray_receiver.PoolReceiver (prefix caching on, prefaulted).
+        self.manager = make_manager(KVLayout(*cmd["layout"]), cmd["num_blocks"], prefix_caching=True,
                                     prefault=True)
         cfg = TransportConfig(address=cmd["address"], rcvhwm=cmd.get("rcvhwm", 32),
                               socket_buffer_bytes=cmd.get("socket_buffer_bytes", 4 << 20),
@@ -55,8 +64,7 @@ class Peer:
             return {"ok": False, "errors": self.errors[-3:]}
         out = {"ok": True, "digest": kv_digest(self.manager, res.seq_id), "timings": res.timings,
                "new_blocks": res.new_blocks}
-        scrub_blocks(self.manager, res.table.blocks)
-        self.manager.free(res.seq_id)
+        release_import(self.manager, res.seq_id)
         return out
 
     def serve(self, timeout: float) -> None:
@@ -77,31 +85,52 @@ class Peer:
         return {"metrics": self.metrics.snapshot(), "errors": self.errors[-5:]}
 
 
-def raw_tcp_sink(nbytes: int) -> dict:
-    """Listen, then (in a thread) receive `nbytes` into a pre-touched buffer and reply one byte."""
+_SINKS: dict[int, np.ndarray] = {}  # port -> the buffer of the latest raw_tcp sink
+
+
+def raw_tcp_sink(nbytes: int, piece: int = 1 << 20) -> dict:
+    """Listen; a thread accepts one connection and, until it closes, receives `nbytes` per
+    transfer into a pre-touched buffer (`recv_into` of at most `piece` bytes) and replies b"k"."""
+    _SINKS.clear()  # one sink at a time: the previous size's buffer is released
     buf = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults inside the measurement
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     srv.settimeout(60)
+    port = srv.getsockname()[1]
+    _SINKS[port] = buf
 
     def run():
         try:
             conn, _ = srv.accept()
-            conn.settimeout(60)
-            mv, got = memoryview(buf), 0
-            while got < nbytes:
-                n = conn.recv_into(mv[got:], min(nbytes - got, 16 << 20))
-                if n == 0:
-                    break
-                got += n
-            conn.sendall(b"k")
-            conn.close()
-        finally:
+        except OSError:
             srv.close()
+            return
+        srv.close()
+        conn.settimeout(300)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mv = memoryview(buf)
+        try:
+            while True:
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(mv[got:got + min(piece, nbytes - got)])
+                    if n == 0:
+                        return  # the benchmark closed the connection
+                    got += n
+                conn.sendall(b"k")
+        except OSError:
+            return
+        finally:
+            conn.close()
 
     threading.Thread(target=run, daemon=True).start()
-    return {"port": srv.getsockname()[1]}
+    return {"port": port}
+
+
+def raw_tcp_digest(port: int) -> dict:
+    buf = _SINKS.get(port)
+    return {"digest": None if buf is None else xxhash.xxh3_64_intdigest(buf)}
 
 
 def main() -> None:
@@ -126,7 +155,8 @@ def main() -> None:
                 ctl.send(msgpack.packb({"ok": True}))
                 break
             handlers = {"setup": peer.setup, "result": peer.result, "stats": lambda c: peer.stats(),
-                        "raw_tcp": lambda c: raw_tcp_sink(c["nbytes"]), "ping": lambda c: {"ok": True}}
+                        "raw_tcp": lambda c: raw_tcp_sink(c["nbytes"]),
+                        "raw_tcp_digest": lambda c: raw_tcp_digest(c["port"]), "ping": lambda c: {"ok": True}}
             reply = handlers[name](cmd)
         except Exception as e:  # report to the benchmark instead of dying silently
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -1,10 +1,23 @@
-"""Turn a migration benchmark report (from `bench.migrate`) into a summary (ratios against the
-baselines at the same payload size, manifest overhead, fixed per-transfer overhead) and a
-two-panel plot: latency against tokens, and GB/s of each transport against the baselines at the
-largest payload.
+"""Turn a migration benchmark report (from `bench.migrate`) into a summary and a two-panel plot
+(latency against tokens; GB/s of each transport against the baselines at the largest payload).
+
+The summary (`summarize`) holds, per transport:
+- `largest`: GB/s at its largest payload, and `vs_<baseline>` ratios against the baselines
+  measured at that same size: raw_tcp (a well-made two-process socket), ray_put_get, nixl (when
+  measured), memcpy, pickle_pipe (None where the baseline was not measured);
+- `fixed_overhead_ms`: the per-transfer fixed cost, as the intercept of a least-squares fit of p50
+  latency against payload bytes over the small points (every point of at most 1 MiB; if those
+  span fewer than two sizes, the three smallest points), with the fit's slope (ms per MiB), the
+  number of points and their largest size; the p50 of the smallest point is kept beside it
+  (`smallest_p50_ms`). The per-size p50s stay in the report's `results`.
 """
 
 from __future__ import annotations
+
+import math
+
+RATIO_BASELINES = ("raw_tcp", "ray_put_get", "nixl", "memcpy", "pickle_pipe")
+FIT_MAX_BYTES = 1 << 20
 
 
 def _baseline(report: dict, name: str, nbytes: int) -> float | None:
@@ -12,6 +25,26 @@ def _baseline(report: dict, name: str, nbytes: int) -> float | None:
         if b["name"] == name and b["bytes"] == nbytes and b.get("gb_per_s"):
             return b["gb_per_s"]
     return None
+
+
+def fit_overhead(rows: list[dict], max_bytes: int = FIT_MAX_BYTES) -> dict | None:
+    """Least-squares latency_ms_p50 = intercept + slope * MiB over the small rows (see module doc);
+    None when fewer than two distinct sizes are available."""
+    small = [r for r in rows if r["bytes"] <= max_bytes]
+    if len({r["bytes"] for r in small}) < 2:
+        small = sorted(rows, key=lambda r: r["bytes"])[:3]
+    if len({r["bytes"] for r in small}) < 2:
+        return None
+    x = [r["bytes"] / 2**20 for r in small]
+    y = [r["latency_ms_p50"] for r in small]
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxx = sum((a - mx) ** 2 for a in x)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
+    intercept = my - slope * mx
+    smallest = min(small, key=lambda r: r["bytes"])
+    return {"intercept_ms": intercept, "slope_ms_per_mib": slope, "points": len(small),
+            "max_bytes": max(r["bytes"] for r in small), "kv_shapes": sorted({r["kv_shape"] for r in small}),
+            "smallest_p50_ms": smallest["latency_ms_p50"], "smallest_bytes": smallest["bytes"]}
 
 
 def summarize(report: dict) -> dict:
@@ -22,15 +55,14 @@ def summarize(report: dict) -> dict:
         big = max(rows, key=lambda r: r["bytes"])
         entry = {"transport": t, "kv_shape": big["kv_shape"], "tokens": big["tokens"], "bytes": big["bytes"],
                  "gb_per_s": big["gb_per_s"], "manifest_ratio": big["manifest_ratio"]}
-        for name in ("raw_tcp", "memcpy", "pickle_pipe", "nixl"):
+        for name in RATIO_BASELINES:
             base = _baseline(report, name, big["bytes"])
             entry[f"vs_{name}"] = big["gb_per_s"] / base if base else None
+            entry[f"{name}_gb_per_s"] = base
         out["largest"].append(entry)
-        small = [r for r in rows if r["blocks"] <= 64 and r["bytes"] <= 1 << 20]
-        if small:
-            worst = max(small, key=lambda r: r["latency_ms_p50"])
-            keys = ("latency_ms_p50", "blocks", "bytes", "kv_shape")
-            out["fixed_overhead_ms"][t] = {k: worst[k] for k in keys}
+        fit = fit_overhead(rows)
+        if fit is not None:
+            out["fixed_overhead_ms"][t] = fit
     realistic = [r for r in res if r["bytes"] >= 1 << 20]
     out["max_manifest_ratio_at_1MiB_plus"] = max((r["manifest_ratio"] for r in realistic), default=None)
     return out
@@ -39,13 +71,21 @@ def summarize(report: dict) -> dict:
 def format_summary(s: dict) -> str:
     lines = [f"all transfers verified: {s['all_verified']}"]
     for e in s["largest"]:
-        ratios = ", ".join(f"{k[3:]} x{v:.2f}" for k, v in e.items() if k.startswith("vs_") and v)
         lines.append(f"{e['transport']:8s} largest point ({e['kv_shape']}, {e['tokens']} tokens, "
-                     f"{e['bytes'] / 2**20:.0f} MiB): {e['gb_per_s']:.2f} GB/s; {ratios}; "
+                     f"{e['bytes'] / 2**20:.3g} MiB): {e['gb_per_s']:.3g} GB/s; "
                      f"manifest/payload {e['manifest_ratio']:.2e}")
+        ratios = []
+        for name in RATIO_BASELINES:
+            v, base = e.get(f"vs_{name}"), e.get(f"{name}_gb_per_s")
+            ratios.append(f"{v:.3g}x {name} ({base:.3g} GB/s)" if v else f"{name} n/a")
+        lines.append(f"{'':8s}   = " + ", ".join(ratios))
     for t, f in s["fixed_overhead_ms"].items():
-        lines.append(f"{t:8s} fixed overhead (<=64 blocks, {f['bytes'] / 1024:.0f} KiB, {f['kv_shape']}): "
-                     f"p50 {f['latency_ms_p50']:.2f} ms")
+        ok = math.isfinite(f["intercept_ms"])
+        lines.append(f"{t:8s} fixed overhead: intercept {f['intercept_ms']:.3f} ms"
+                     f"{'' if ok else ' (not finite)'}, slope {f['slope_ms_per_mib']:.3f} ms/MiB "
+                     f"(least squares over {f['points']} points <= {f['max_bytes'] / 1024:.0f} KiB, "
+                     f"{'/'.join(f['kv_shapes'])}); smallest point p50 {f['smallest_p50_ms']:.3f} ms "
+                     f"at {f['smallest_bytes'] / 1024:.1f} KiB")
     if s["max_manifest_ratio_at_1MiB_plus"] is not None:
         ratio = s["max_manifest_ratio_at_1MiB_plus"]
         lines.append(f"max manifest/payload for payloads >= 1 MiB: {ratio:.2e}")

@@ -3,7 +3,7 @@ benchmark and the Ray transport tests: `ray.remote(PoolReceiver).remote(layout_a
 It is the runtime's `RayReceiverEndpoint` (so it answers `kv_hello`, `kv_query` and `kv_receive`
 exactly as a decode worker does) over a pool from `bench.pools`, plus a few calls the benchmark
 and tests need: the canonical digest of an imported sequence, freeing it (scrubbed, so a later
-transfer must rewrite the blocks), warming the object store's mappings, and pool statistics.
+transfer must rewrite the blocks, and uncached), warming the object store's mappings, and pool statistics.
 """
 
 from __future__ import annotations
@@ -17,12 +17,22 @@ from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig
 
 
+def release_import(manager, seq_id) -> None:
+    """Scrub the blocks only this sequence holds, then free it and drop them from the prefix
+    cache (a zeroed block must not stay cached under its hash), so a later transfer must really
+    rewrite them. The benchmark's ZeroMQ peer (`bench.migrate_peer`) releases imports this way too."""
+    scrub_blocks(manager, [b for b in manager.table(seq_id).blocks if manager.allocator.ref_count(b) == 1])
+    manager.free(seq_id, uncache=True)
+
+
 class PoolReceiver(RayReceiverEndpoint):
     """Actor body with its own synthetic pool: `ray.remote(PoolReceiver).remote(...)`."""
 
     def __init__(self, layout_args: tuple, num_blocks: int, config: TransportConfig | None = None,
                  prefault: bool = False):
-        manager = make_manager(KVLayout(*layout_args), num_blocks, prefault=prefault)
+        # NOTE: the same settings as bench.migrate_peer's pool (prefix caching on; the benchmark
+        # passes prefault=True, as the peer always does).
+        manager = make_manager(KVLayout(*layout_args), num_blocks, prefix_caching=True, prefault=prefault)
         super().__init__(manager, config, metrics=TransferMetrics())
         self.last_timings: dict = {}
 
@@ -39,9 +49,9 @@ class PoolReceiver(RayReceiverEndpoint):
 
     def free(self, seq_id, scrub: bool = True) -> None:
         if scrub:
-            scrub_blocks(self.manager, [b for b in self.manager.table(seq_id).blocks
-                                        if self.manager.allocator.ref_count(b) == 1])
-        self.manager.free(seq_id)
+            release_import(self.manager, seq_id)
+        else:
+            self.manager.free(seq_id)
 
     def touch(self, *arrays) -> int:
         """Read one byte per page of each array (warms the object store mappings in this process)."""

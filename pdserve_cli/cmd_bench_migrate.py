@@ -1,5 +1,7 @@
 """`pdserve bench migrate`: KV migration pool -> pool over ZeroMQ (tcp, ipc) and Ray, against
-memcpy, raw TCP, pickle over a pipe and NIXL (when installed); writes JSON and a plot."""
+memcpy, a well-made raw TCP socket, Ray put/get, pickle over a pipe and NIXL (when installed);
+prints ratios and the fixed overhead (intercept of a latency-vs-bytes fit), writes JSON, a plot,
+and the migration timeline as a Chrome trace (`--trace`, opens in Perfetto)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a representative subset (minutes on 2 cores)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot latency vs tokens and GB/s vs baselines")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="write every timed migration's spans (export, wire; receiver prepare, land, verify, "
+                        "commit) as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("--kv-shape", action="append", metavar="SHAPE",
                    help="tiny | llama3-8b | L,H,D,dtype (repeatable; default: tiny and llama3-8b)")
     p.add_argument("--tokens", type=_ints, help="comma-separated token counts (e.g. 256,1024,4096)")
     p.add_argument("--block-sizes", type=_ints, help="comma-separated block sizes (default 16)")
     p.add_argument("--transports", help="comma-separated: zmq-tcp,zmq-ipc,ray (default all)")
     p.add_argument("--repeats", type=int, help="timed transfers per point")
-    p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 4)")
+    p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 2)")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
 
 
@@ -61,4 +66,9 @@ def run(args) -> int:
     if args.plot and report["results"]:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
+    if args.trace:
+        from bench.migrate_trace import write_trace
+
+        n = write_trace(report.get("timeline", []), args.trace)
+        print(f"wrote {args.trace} ({n} trace events)")
     return 0 if all(r["verified"] for r in report["results"]) else 1

@@ -1,37 +1,89 @@
 """The migration benchmark end to end at a tiny size, through the `pdserve bench migrate`
-command: a real receiving process, verified transfers, the documented JSON shape and a plot;
-plus the baselines that are cheap to run here."""
+command: a real receiving process and a Ray actor, verified transfers, the documented JSON shape,
+the baselines it measures beside them (a two-process raw TCP socket and Ray put/get must really
+move the bytes), the fixed-overhead fit per transport, the plot and the Chrome trace."""
 
 import json
+import math
+
+import pytest
 
 from bench import baselines
-from bench.migrate_report import summarize
+from bench.migrate_report import fit_overhead, format_summary, summarize
 from pdserve_cli.main import main
 
 RESULT_KEYS = {"transport", "kv_shape", "tokens", "block_size", "bytes", "latency_ms_p50", "latency_ms_p99",
                "gb_per_s", "verified", "export_ms_p50", "wire_ms_p50", "import_ms_p50", "manifest_ratio"}
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ray")
+SHAPES = ("tiny", "2,1,8,float32")
 
 
-def test_bench_migrate_cli_writes_verified_json_and_plot(tmp_path):
-    out, png = tmp_path / "m.json", tmp_path / "m.png"
-    rc = main(["bench", "migrate", "--kv-shape", "tiny", "--kv-shape", "2,1,8,float32", "--tokens", "16,40",
-               "--block-sizes", "16", "--transports", "zmq-tcp,zmq-ipc", "--repeats", "2", "--no-baselines",
-               "--json", str(out), "--plot", str(png)])
+def test_bench_migrate_cli_writes_verified_json_plot_and_trace(tmp_path):
+    pytest.importorskip("ray")
+    out, png, trace = tmp_path / "m.json", tmp_path / "m.png", tmp_path / "t.json"
+    rc = main(["bench", "migrate", "--kv-shape", SHAPES[0], "--kv-shape", SHAPES[1], "--tokens", "16,40",
+               "--block-sizes", "16", "--transports", ",".join(TRANSPORTS), "--repeats", "2",
+               "--json", str(out), "--plot", str(png), "--trace", str(trace)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"results", "baselines"} and report["baselines"] == []
+    assert {"results", "baselines", "timeline"} <= set(report)
     rows = report["results"]
-    assert len(rows) == 2 * 2 * 2
-    assert all(RESULT_KEYS <= set(r) and r["verified"] for r in rows)
+    assert len(rows) == 3 * 2 * 2
+    assert all(RESULT_KEYS <= set(r) and r["verified"] is True for r in rows)
     assert {(r["transport"], r["kv_shape"], r["tokens"]) for r in rows} == {
-        (t, s, n) for t in ("zmq-tcp", "zmq-ipc") for s in ("tiny", "2,1,8,float32") for n in (16, 40)}
+        (t, s, n) for t in TRANSPORTS for s in SHAPES for n in (16, 40)}
     tiny40 = next(r for r in rows if r["kv_shape"] == "tiny" and r["tokens"] == 40)
     assert tiny40["bytes"] == 3 * 16 * 256 and tiny40["frames"] == 1  # 3 blocks of 16 tokens, 256 B each
-    assert summarize(report)["all_verified"]
+
+    # Baselines at every payload size: the socket and Ray baselines moved (and verified) the bytes.
+    sizes = {r["bytes"] for r in rows}
+    for name in ("raw_tcp", "ray_put_get", "memcpy"):
+        got = {b["bytes"]: b for b in report["baselines"] if b["name"] == name}
+        assert set(got) == sizes, name
+        assert all(b["gb_per_s"] is not None and b["gb_per_s"] > 0 for b in got.values()), name
+        if name != "memcpy":
+            assert all(b["verified"] is True for b in got.values()), name
+    nixl = [b for b in report["baselines"] if b["name"] == "nixl"]
+    assert nixl and all((b["gb_per_s"] or 0) > 0 or b["note"] == "nixl not installed" for b in nixl)
+
+    s = summarize(report)
+    assert s["all_verified"]
+    assert set(s["fixed_overhead_ms"]) == set(TRANSPORTS)
+    for fit in s["fixed_overhead_ms"].values():
+        assert fit["points"] == 4
+        assert math.isfinite(fit["intercept_ms"]) and math.isfinite(fit["slope_ms_per_mib"])
+    for e in s["largest"]:
+        assert e["vs_raw_tcp"] > 0 and e["vs_ray_put_get"] > 0 and e["vs_memcpy"] > 0
+    text = format_summary(s)
+    assert "x raw_tcp" in text and "x ray_put_get" in text and "intercept" in text
+
+    # The timeline: every timed migration, and the trace built from it.
+    assert len(report["timeline"]) == len(rows) * 2
+    assert all(m["verified"] and m["export_ms"] >= 0 and m["wire_ms"] > 0 for m in report["timeline"])
+    zmq_timings = [m["receiver_ms"] for m in report["timeline"] if m["transport"] == "zmq-tcp"]
+    assert all({"prepare_ms", "commit_ms"} <= set(t) for t in zmq_timings)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert sum(e["name"] == "migrate" for e in spans) == len(report["timeline"])
+    assert sum(e["name"] == "import" for e in spans) == len(report["timeline"])
     assert png.stat().st_size > 10_000
+
+
+def test_fit_overhead_recovers_a_line():
+    rows = [{"bytes": b, "latency_ms_p50": 0.5 + 2.0 * b / 2**20, "kv_shape": "tiny"}
+            for b in (4096, 65536, 1 << 20)] + [{"bytes": 64 << 20, "latency_ms_p50": 1e3, "kv_shape": "big"}]
+    fit = fit_overhead(rows)
+    assert fit["points"] == 3 and fit["max_bytes"] == 1 << 20
+    assert fit["intercept_ms"] == pytest.approx(0.5) and fit["slope_ms_per_mib"] == pytest.approx(2.0)
+    assert fit_overhead(rows[:1]) is None
 
 
 def test_cheap_baselines_measure_something():
     assert baselines.memcpy(1 << 20, 2) > 0
     nixl = baselines.nixl(1 << 16, 1)
-    assert nixl["gb_per_s"] is not None or nixl["note"]
+    try:
+        import nixl as _  # noqa: F401
+    except ImportError:
+        assert nixl == {"gb_per_s": None, "note": "nixl not installed"}
+    else:
+        assert nixl["gb_per_s"] > 0 and nixl["verified"], nixl
