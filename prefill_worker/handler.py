@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
-from transfer.errors import TransferError
+from transfer.errors import TransferError, TransferTimeout
 from transfer.lease import LeaseTable
 from transfer.messages import DecodeState
 
@@ -130,15 +130,21 @@ class PrefillHandler:
                 self.targets.pop(o.request_id, None)  # every choice ended at its first token
 
     def after_step(self, events: list) -> None:
+        # NOTE: migrations run on this loop thread. After one to a decode worker timed out (it died),
+        # the others queued for it are held at once instead of each waiting out its own timeout: the
+        # loop must report again before heartbeat_timeout_s, or this worker is declared dead too.
+        unreachable: set[str] = set()
         for rid in list(self.engine.prefilled):
             if rid not in self.held:
-                self._migrate(rid, events)
+                self._migrate(rid, events, unreachable)
         self._expire_held(events)
         self.leases.expire()
 
-    def _migrate(self, rid: str, events: list) -> None:
+    def _migrate(self, rid: str, events: list, unreachable: set | None = None) -> None:
         """Ship every live sequence of a prefilled request; on the ack free our blocks (full ones stay
-        cached). On a failure hold them for a `Resend` (see the module docstring)."""
+        cached). On a failure hold them for a `Resend` (see the module docstring). unreachable: decode
+        workers a migration to timed out in this iteration (not tried again until the next one)."""
+        unreachable = set() if unreachable is None else unreachable
         target = self.targets.pop(rid, None)
         req = self.engine.prefilled[rid]
         if target is None:  # aborted meanwhile
@@ -147,6 +153,8 @@ class PrefillHandler:
         started = time.perf_counter()
         total = {"payload_bytes": 0, "blocks": 0, "reused_blocks": 0, "sequences": 0}
         try:
+            if target.decode_worker in unreachable:
+                raise TransferTimeout(f"{target.decode_worker} timed out on a migration moments ago")
             sender = self.senders.get(target.decode_worker, target.decode_address)
             sampling = req.params.to_dict()
             for s in req.live_seqs:
@@ -161,6 +169,8 @@ class PrefillHandler:
             log.warning("%s: migration of %s to %s failed: %s", self.config.name, rid,
                         target.decode_worker, e)
             self.senders.forget_if_broken(target.decode_worker, e)
+            if isinstance(e, TransferTimeout):
+                unreachable.add(target.decode_worker)
             for s in req.seqs:  # the unacked exports' extra references (the table still holds them)
                 self.leases.release(f"{rid}/{s.index}", target.epoch)
             held = self.config.hold_s > 0
