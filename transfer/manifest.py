@@ -17,7 +17,8 @@ from transfer.checksum import ALGORITHM
 from transfer.errors import LimitExceeded, MalformedMessage
 from transfer.schema import U32, U64, Limits, get, get_int, get_packed, get_str, pack, require_keys
 
-PROTOCOL_VERSION = 3  # 2: the fingerprint names the model; 3: the handshake is signed
+PROTOCOL_VERSION = 4  # 2: the fingerprint names the model; 3: the handshake is signed;
+# 4: manifests are sealed with their checksum, and the handshake opens a raw data stream
 MAX_EPOCH = (1 << 63) - 1
 FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout", "model")
 CHECKSUM_MODES = ("manifest", "inline")  # checksums in the frame descriptors, or in each chunk's header

@@ -39,22 +39,27 @@ class Hello:
     issued_at: float = 0.0
     nonce: str = ""
     tag: str = ""
+    stream: str = ""  # the data stream this sender wants: "tcp", "ipc", or "" (payload in ZeroMQ frames)
 
     def signed_fields(self) -> list[str]:
-        return [json.dumps(self.fingerprint, sort_keys=True), self.peer]
+        return [json.dumps(self.fingerprint, sort_keys=True), self.peer, self.stream]
 
     def to_wire(self) -> dict:
         return {"v": PROTOCOL_VERSION, "kind": "hello", "fingerprint": dict(self.fingerprint),
-                "peer": self.peer, "issued_at": self.issued_at, "nonce": self.nonce, "tag": self.tag}
+                "peer": self.peer, "issued_at": self.issued_at, "nonce": self.nonce, "tag": self.tag,
+                "stream": self.stream}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> Hello:
         what = "hello"
-        require_keys(wire, {"v", "kind", "fingerprint", "peer", "issued_at", "nonce", "tag"}, what)
+        require_keys(wire, {"v", "kind", "fingerprint", "peer", "issued_at", "nonce", "tag", "stream"}, what)
+        stream = get_str(wire, "stream", 8, what, "")
+        if stream not in ("", "tcp", "ipc"):
+            raise MalformedMessage(f"hello asks for an unknown data stream {stream[:8]!r}")
         return cls(validate_fingerprint(get(wire, "fingerprint", what), limits),
                    get_str(wire, "peer", limits.max_id_len, what),
                    get_float(wire, "issued_at", 0.0, 1e12, what, 0.0),
-                   get_str(wire, "nonce", 64, what, ""), get_str(wire, "tag", 128, what, ""))
+                   get_str(wire, "nonce", 64, what, ""), get_str(wire, "tag", 128, what, ""), stream)
 
 
 @dataclass(frozen=True)
@@ -63,16 +68,23 @@ class HelloReply:
 
     fingerprint: dict
     peer: str = ""
+    data_port: int = 0    # the receiver's data stream, when the hello asked for one: a TCP port on the
+    data_path: str = ""   # host the sender connected to, or a Unix socket path;
+    data_token: str = ""  # and the token (hex) that opens it, issued to this connection only
 
     def to_wire(self) -> dict:
         return {"v": PROTOCOL_VERSION, "kind": "hello_ok", "fingerprint": dict(self.fingerprint),
-                "peer": self.peer}
+                "peer": self.peer, "data_port": self.data_port, "data_path": self.data_path,
+                "data_token": self.data_token}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> HelloReply:
-        require_keys(wire, {"v", "kind", "fingerprint", "peer"}, "hello_ok")
-        return cls(validate_fingerprint(get(wire, "fingerprint", "hello_ok"), limits),
-                   get_str(wire, "peer", limits.max_id_len, "hello_ok"))
+        what = "hello_ok"
+        require_keys(wire, {"v", "kind", "fingerprint", "peer", "data_port", "data_path", "data_token"}, what)
+        return cls(validate_fingerprint(get(wire, "fingerprint", what), limits),
+                   get_str(wire, "peer", limits.max_id_len, what),
+                   get_int(wire, "data_port", 0, 65535, what, 0), get_str(wire, "data_path", 200, what, ""),
+                   get_str(wire, "data_token", 64, what, ""))
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ class TransportConfig:
     limits: bounds on what a peer may claim.
     secret: the cluster secret (protocol.curve): senders sign their handshake with it and
       receivers refuse an unsigned, stale, replayed or wrongly signed one ('': no keyed handshake).
+    data_plane: how ZeroMQ transfers carry payload bytes: "stream" (a raw TCP or Unix socket
+      beside the ZeroMQ control channel, landed with recv_into on a reader thread: stream_wire)
+      or "zmq" (payload chunks as ZeroMQ messages on the control socket).
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -69,21 +72,26 @@ class TransportConfig:
     peer_name: str = ""
     limits: Limits = field(default_factory=Limits)
     secret: str = ""
+    data_plane: str = "stream"
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in ("stream", "zmq"):
+            raise ValueError(f"data_plane must be 'stream' or 'zmq', got {self.data_plane!r}")
 
 
-def make_hello(fingerprint: dict, config: TransportConfig):
+def make_hello(fingerprint: dict, config: TransportConfig, stream: str = ""):
     """This sender's handshake, signed when the config carries the cluster secret."""
     import time
 
     from protocol.curve import hmac_sign, new_nonce
     from transfer.messages import Hello
 
-    hello = Hello(dict(fingerprint), config.peer_name)
+    hello = Hello(dict(fingerprint), config.peer_name, stream=stream)
     if not config.secret:
         return hello
     issued_at, nonce = time.time(), new_nonce()
     return Hello(hello.fingerprint, hello.peer, issued_at, nonce,
-                 hmac_sign(config.secret, hello.signed_fields(), issued_at, nonce))
+                 hmac_sign(config.secret, hello.signed_fields(), issued_at, nonce), stream)
 
 
 def hello_is_genuine(hello, config: TransportConfig, seen: dict) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import queue
 import time
 from collections import OrderedDict
 
@@ -29,6 +30,8 @@ from transfer.importer import ImportResult, ImportSession
 from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
+from transfer.stream_receiver import StreamListener
+from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig, hello_is_genuine
 from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
 
@@ -38,6 +41,7 @@ class _Peer:
         self.plan: CompatPlan | None = None
         self.name = ""  # the sender's name from its handshake
         self.session: ImportSession | None = None
+        self.landing = None  # the session's payload landing on the data stream (stream_receiver)
         self.token = -1
         self.t0 = 0.0
 
@@ -66,18 +70,32 @@ class ZmqReceiver:
         self.peers: OrderedDict[bytes, _Peer] = OrderedDict()
         self.fingerprint = manager.storage.layout.fingerprint()
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
+        self.poller = zmq.Poller()
+        self.poller.register(s, zmq.POLLIN)
+        self.streams: StreamListener | None = None
+        if config.data_plane == "stream":
+            scheme, where = parse_address(self.address)
+            self.streams = StreamListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics)
+            if scheme == "ipc":
+                self.streams.listen_unix(where + ".data")
+            self.poller.register(self.streams.wake_fd, zmq.POLLIN)
 
     # ---- public -----------------------------------------------------------------------------
     def bind(self, address: str) -> str:
         """Also accept connections at another endpoint (e.g. ipc:// beside tcp://); returns it."""
         self.sock.bind(bind_address(address))
         self._bound.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        if self.streams is not None and address.startswith("ipc://") and not self.streams.path:
+            self.streams.listen_unix(address[len("ipc://"):] + ".data")
         return self._bound[-1]
 
     def poll(self, timeout: float) -> ImportResult | None:
         """Serve until an import commits (returned), one fails (its error raised), or timeout."""
         deadline = time.monotonic() + timeout
         while True:
+            result = self._landed()
+            if result is not None:
+                return result
             self._expire()
             now = time.monotonic()
             if now >= deadline:
@@ -87,7 +105,9 @@ class ZmqReceiver:
                     for p in self.peers.values() if p.session is not None]
             if idle:
                 wait = min(wait, max(0.0, min(idle)))
-            if self.sock.poll(math.ceil(wait * 1000)):
+            if self.streams is not None and not self.streams.finished.empty():
+                wait = 0.0
+            if self.sock in dict(self.poller.poll(math.ceil(wait * 1000))):
                 result = self._handle()
                 if result is not None:
                     return result
@@ -100,9 +120,14 @@ class ZmqReceiver:
     def close(self) -> None:
         for ident in list(self.peers):
             p = self.peers[ident]
+            if p.landing is not None:  # NOTE: its reader stops before the blocks are freed
+                self.streams.cancel(p.landing)
+                p.landing = None
             if p.session is not None:
                 p.session.abort()
                 p.session = None
+        if self.streams is not None:
+            self.streams.close()
         self.sock.close(0)
         self.ctx.term()
         for endpoint in self._bound:  # ZeroMQ leaves ipc:// socket files behind
@@ -141,6 +166,9 @@ class ZmqReceiver:
     def _fail(self, ident: bytes, peer: _Peer, err: TransferError, counted: bool = False):
         """Abort the peer's transfer (if any), nack it, count the error once, and raise it."""
         s, peer.session = peer.session, None
+        if peer.landing is not None:  # NOTE: its reader stops before the blocks are freed
+            self.streams.cancel(peer.landing)
+            peer.landing = None
         if s is not None:
             s.abort(err)  # counts unless the session already counted a failure
             nack = Nack(s.manifest.request_id, s.manifest.epoch, err.code, str(err))
@@ -185,7 +213,7 @@ class ZmqReceiver:
                 self._drain()
                 return self._garbled(ident, peer, MalformedMessage("bad data header"))
             _, token, f, c, cs = DATA.unpack(header)
-            if peer.session is None or token != peer.token:
+            if peer.session is None or token != peer.token or peer.landing is not None:
                 self._drain()
                 self.metrics.add("stray_chunks")
                 return None
@@ -197,9 +225,17 @@ class ZmqReceiver:
             return self._hello(ident, peer, body)
         if kind == b"Q" and len(header) == 1:
             return self._query(ident, peer, body)
-        if kind in (b"M", b"E") and len(header) == TOKEN.size:
+        if kind in (b"M", b"S", b"E") and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
-            return self._manifest(ident, peer, token, body) if kind == b"M" else self._end(ident, peer, token)
+            if kind == b"E":
+                return self._end(ident, peer, token)
+            if kind == b"M" or self.streams is None:
+                return self._manifest(ident, peer, token, body, streamed=kind == b"S")
+            try:
+                return self._manifest(ident, peer, token, body, streamed=True)
+            except TransferError:
+                self.streams.refuse(ident, token)  # its payload, already on the way, is not awaited
+                raise
         return self._garbled(ident, peer, MalformedMessage(f"unknown message header {bytes(header[:16])!r}"))
 
     def _garbled(self, ident: bytes, peer: _Peer, err: TransferError):
@@ -217,7 +253,13 @@ class ZmqReceiver:
             peer.plan = None
             self._refuse(ident, b"h", e)
         peer.name = hello.peer
-        self._send(ident, b"h", HelloReply(self.fingerprint, self.config.peer_name))
+        reply = HelloReply(self.fingerprint, self.config.peer_name)
+        st = self.streams
+        if st is not None and (hello.stream == "tcp" or (hello.stream == "ipc" and st.path)):
+            tcp = hello.stream == "tcp"
+            reply = HelloReply(self.fingerprint, self.config.peer_name, st.port if tcp else 0,
+                               "" if tcp else st.path, st.issue(ident))
+        self._send(ident, b"h", reply)
         return None
 
     def _query(self, ident: bytes, peer: _Peer, body) -> None:
@@ -234,7 +276,7 @@ class ZmqReceiver:
         self._send(ident, b"q", Held(q.request_id, held))
         return None
 
-    def _manifest(self, ident: bytes, peer: _Peer, token: int, body) -> None:
+    def _manifest(self, ident: bytes, peer: _Peer, token: int, body, streamed: bool = False) -> None:
         header = TOKEN.pack(b"A", token)
         if peer.session is not None and token == peer.token:  # a duplicated manifest: already serving it
             self.metrics.add("duplicate_manifests")
@@ -252,6 +294,8 @@ class ZmqReceiver:
             return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
             return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
+        if streamed and self.streams is None:
+            return self._refuse(ident, header, MalformedMessage("no data stream here"))
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
                                     stage=self.stage)
@@ -259,7 +303,26 @@ class ZmqReceiver:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise
         peer.session, peer.token, peer.t0 = session, token, time.perf_counter()
+        if streamed:
+            peer.landing = self.streams.expect(ident, token, session)
         return None
+
+    def _landed(self) -> ImportResult | None:
+        """Commit (or fail) the next payload that finished landing on the data stream."""
+        if self.streams is None:
+            return None
+        self.streams.drain_wake()
+        try:
+            landing = self.streams.finished.get_nowait()
+        except queue.Empty:
+            return None
+        for ident, peer in self.peers.items():
+            if peer.landing is landing:
+                peer.landing = None
+                if landing.error is not None:
+                    return self._fail(ident, peer, landing.error)
+                return self._end(ident, peer, landing.token)
+        return None  # its transfer was failed meanwhile
 
     def _chunk(self, ident: bytes, peer: _Peer, f: int, c: int, cs: int) -> None:
         s, sock = peer.session, self.sock

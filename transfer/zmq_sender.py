@@ -20,6 +20,8 @@ from transfer.export import ExportedSequence
 from transfer.messages import Ack, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
+from transfer.stream_sender import DataStream
+from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig, make_hello, migrate
 from transfer.zmq_wire import DATA, TOKEN
 
@@ -35,6 +37,7 @@ class ZmqSender:
         self.ctx = zmq.Context(io_threads=self.config.io_threads)
         self.sock = None
         self.plan: CompatPlan | None = None
+        self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
         self._token = 0
         self._open()
 
@@ -51,9 +54,16 @@ class ZmqSender:
 
     def _reset(self) -> None:
         self.sock.close(0)
+        self._close_stream()
         self._open()
 
+    def _close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
     def close(self) -> None:
+        self._close_stream()
         self.sock.close(0)
         self.ctx.term()
 
@@ -82,7 +92,9 @@ class ZmqSender:
     def connect(self, timeout: float | None = None) -> CompatPlan:
         """Handshake: exchange layout fingerprints once; FingerprintMismatch if incompatible."""
         deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
-        self.sock.send_multipart([b"H", encode(make_hello(self.fingerprint, self.config))])
+        scheme, where = parse_address(self.config.address)
+        want = scheme if self.config.data_plane == "stream" else ""
+        self.sock.send_multipart([b"H", encode(make_hello(self.fingerprint, self.config, want))])
         _, body = self._wait((b"h",), deadline, "handshake reply")
         reply = _reply_of(self, body, HelloReply)
         try:
@@ -90,6 +102,10 @@ class ZmqSender:
         except TransferError as e:
             self.metrics.record_error(e)
             raise
+        self._close_stream()
+        if reply.data_token and (reply.data_port or reply.data_path):
+            at = ("tcp", where, reply.data_port) if want == "tcp" else ("ipc", reply.data_path)
+            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
         return self.plan
 
     def query(self, request_id: str, token_ids, extra_key: str | None = None,
@@ -124,6 +140,8 @@ class ZmqSender:
                  for f, c, view, slot in exported.chunks())
         if fault is not None:  # chaos benchmark: after hashing, so a flipped copy fails its checksum
             bodies, items = self.faults.manifest(fault, bodies[0]), self.faults.chunks(fault, items)
+        if self.stream is not None:
+            return self._send_streamed(exported, token, bodies, items, deadline)
         try:
             for body in bodies:
                 sock.send_multipart([TOKEN.pack(b"M", token), body])
@@ -144,6 +162,35 @@ class ZmqSender:
             self.metrics.record_error(e)
             self._reset()
             raise
+        return self._finish(exported, reply, ack_header, deadline)
+
+    def _send_streamed(self, exported: ExportedSequence, token: int, bodies, items, deadline: float) -> Ack:
+        """Manifest on the control socket, payload on the data stream, verdict on the control socket."""
+        ack_header, sock, early = TOKEN.pack(b"A", token), self.sock, []
+
+        def answered() -> bool:  # an early nack (the receiver gave up): stop streaming
+            if not early and sock.poll(0):
+                got = self._recv_reply((ack_header,))
+                if got is not None:
+                    early.append(got)
+            return bool(early) or time.monotonic() > deadline
+
+        try:
+            self.stream.open()
+            for body in bodies:
+                sock.send_multipart([TOKEN.pack(b"S", token), body])
+            self.stream.send(token, exported.manifest.payload_bytes, items, answered)
+        except TransferError as e:  # the stream would not open, or a staging slot was never released
+            self.metrics.record_error(e)
+            self._reset()
+            raise
+        try:
+            return self._finish(exported, early[0] if early else None, ack_header, deadline)
+        except TransferError:
+            self._close_stream()  # the receiver closed its end: the next transfer opens a fresh stream
+            raise
+
+    def _finish(self, exported: ExportedSequence, reply, ack_header: bytes, deadline: float) -> Ack:
         if reply is None:
             reply = self._wait((ack_header,), deadline, "ack")
         try:
@@ -151,7 +198,7 @@ class ZmqSender:
         finally:
             exported.release()  # the receiver answered: it no longer reads our blocks
         self.metrics.add("transfers")
-        self.metrics.add("bytes_sent", m.payload_bytes)
+        self.metrics.add("bytes_sent", exported.manifest.payload_bytes)
         return ack
 
     def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,

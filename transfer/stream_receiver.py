@@ -1,0 +1,264 @@
+"""The receiving end of the raw data stream (`stream_wire`): a listening TCP socket (and a Unix
+socket when the receiver also serves ipc://), one accept thread, and one reader thread per open
+stream. The owner's control thread (`ZmqReceiver`) keeps every reservation, commit and abort: on
+a signed hello it `issue`s a token for that connection, on an admitted manifest it `expect`s the
+transfer with its `ImportSession`, and it collects finished landings from `finished` (woken
+through `wake_fd`). A reader thread only lands bytes into the session's reserved blocks with
+`recv_into` and verifies each chunk's checksum right after it lands, so payload arrives while
+the decode loop keeps stepping. `cancel` stops a landing's reader (its socket is shut down) and
+waits for it before the owner frees the blocks. Every wait is bounded by the transport config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+
+from transfer.errors import FrameCountError, FrameSizeError, TransferError, TransferTimeout, TransportClosed
+from transfer.metrics import TransferMetrics
+from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_all
+
+MAX_STREAMS = 256  # open streams at once; more are refused at accept
+
+
+class Landing:
+    """One transfer's payload landing on a reader thread; `error` is None when it verified."""
+
+    def __init__(self, key: bytes, token: int, session):
+        self.key, self.token, self.session = key, token, session
+        self.error: TransferError | None = None
+        self.cancelled = False
+        self.done = threading.Event()
+        self.sock: socket.socket | None = None
+
+
+class StreamListener:
+    def __init__(self, host: str, config, metrics: TransferMetrics):
+        self.config, self.metrics = config, metrics
+        self.finished: queue.Queue[Landing] = queue.Queue()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Condition()
+        self._tokens: dict[bytes, bytes] = {}               # stream token -> control connection
+        self._expected: dict[tuple[bytes, int], Landing] = {}
+        self._refused: dict[tuple[bytes, int], None] = {}    # transfers refused at their manifest
+        self._open: set[socket.socket] = set()
+        self._stop = False
+        self.listeners: list[socket.socket] = []
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.port = self._listen(socket.socket(family, socket.SOCK_STREAM), (host, 0)).getsockname()[1]
+        self.path = ""
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-stream-accept", daemon=True)
+        self._thread.start()
+
+    def _listen(self, s: socket.socket, where) -> socket.socket:
+        if s.family != socket.AF_UNIX:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(where)
+        s.listen(64)
+        s.settimeout(0.2)  # the accept loop checks for close this often
+        self.listeners.append(s)
+        return s
+
+    def listen_unix(self, path: str) -> str:
+        """Also accept streams on a Unix socket (for senders that reach us over ipc://)."""
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        self._listen(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), path)
+        self.path = path
+        return path
+
+    # ---- the control thread -------------------------------------------------------------------
+    def issue(self, key: bytes) -> str:
+        """A fresh stream token for control connection `key` (its previous one stops working)."""
+        token = secrets.token_bytes(16)
+        with self._lock:
+            for t in [t for t, k in self._tokens.items() if k == key]:
+                del self._tokens[t]
+            if len(self._tokens) >= 4096:
+                self._tokens.pop(next(iter(self._tokens)))
+            self._tokens[token] = key
+        return token.hex()
+
+    def expect(self, key: bytes, token: int, session) -> Landing:
+        landing = Landing(key, token, session)
+        with self._lock:
+            self._expected[(key, token)] = landing
+            self._lock.notify_all()
+        return landing
+
+    def refuse(self, key: bytes, token: int) -> None:
+        """The manifest of this transfer was refused: its stream closes without waiting."""
+        with self._lock:
+            self._refused[(key, token)] = None
+            if len(self._refused) > 1024:
+                self._refused.pop(next(iter(self._refused)))
+            self._lock.notify_all()
+
+    def cancel(self, landing: Landing) -> None:
+        """Stop the landing's reader (if it started) and wait for it; then its blocks may be freed."""
+        with self._lock:
+            landing.cancelled = True
+            if self._expected.get((landing.key, landing.token)) is landing:
+                del self._expected[(landing.key, landing.token)]
+                landing.done.set()  # no reader took it
+            sock = landing.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if not landing.done.wait(self.config.idle_timeout_s + 5):
+            raise RuntimeError("a stream reader did not stop; its blocks cannot be freed safely")
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+            socks = list(self._open)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
+        for s in self.listeners:
+            s.close()
+        if self.path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        os.close(self._wake_w)
+        os.close(self.wake_fd)
+
+    def drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.read(self.wake_fd, 4096)
+
+    # ---- accept and read threads -----------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        known: set[socket.socket] = set()
+        while not self._stop:
+            for s in self.listeners:
+                if s not in known:
+                    sel.register(s, selectors.EVENT_READ)
+                    known.add(s)
+            for key, _ in sel.select(0.2):
+                try:
+                    conn, _ = key.fileobj.accept()
+                except OSError:
+                    continue
+                with self._lock:
+                    full = len(self._open) >= MAX_STREAMS or self._stop
+                    if not full:
+                        self._open.add(conn)
+                if full:
+                    self.metrics.add("streams_refused")
+                    conn.close()
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), name="kv-stream-read", daemon=True).start()
+        sel.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self.config.connect_timeout_s)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = recv_exact(conn, OPEN.size)
+            magic, token = OPEN.unpack(hello) if hello else (b"", b"")
+            with self._lock:
+                key = self._tokens.get(token) if magic == OPEN_MAGIC else None
+            if key is None:
+                self.metrics.add("stream_token_refused")
+                return
+            conn.sendall(b"K")
+            conn.settimeout(None)  # idle between transfers; close() shuts the socket down
+            while self._read_transfer(conn, key):
+                pass
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def _read_transfer(self, conn: socket.socket, key: bytes) -> bool:
+        """Land one transfer; False when the stream must close."""
+        header = recv_exact(conn, XFER.size)
+        if header is None:
+            return False
+        magic, token, nbytes = XFER.unpack(header)
+        if magic != XFER_MAGIC:
+            self.metrics.add("stream_garbled")
+            return False
+        landing = self._claim(key, token, conn)
+        if landing is None:  # refused, aborted, or never offered: the bytes have nowhere to go
+            self.metrics.add("stray_streams")
+            return False
+        ok = False
+        try:
+            if nbytes != landing.session.manifest.payload_bytes:
+                raise FrameSizeError(f"stream of {nbytes} bytes for an offer of "
+                                     f"{landing.session.manifest.payload_bytes}")
+            conn.settimeout(self.config.idle_timeout_s)
+            self._land(conn, landing)
+            ok = True
+        except TransferError as e:
+            landing.error = e
+        except TimeoutError:
+            landing.error = TransferTimeout(f"stream silent for {self.config.idle_timeout_s}s mid-transfer")
+        except OSError as e:
+            landing.error = TransportClosed(f"stream broke mid-transfer: {type(e).__name__}")
+        finally:
+            with self._lock:
+                landing.sock = None
+                cancelled = landing.cancelled
+            landing.done.set()
+        if not cancelled:
+            self.finished.put(landing)
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"!")
+        conn.settimeout(None)
+        return ok and not cancelled
+
+    def _claim(self, key: bytes, token: int, conn: socket.socket) -> Landing | None:
+        """The landing the control thread expects for this transfer (it may still be on its way)."""
+        deadline = time.monotonic() + self.config.idle_timeout_s
+        with self._lock:
+            while (key, token) not in self._expected and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._refused.pop((key, token), 0) is None:
+                    return None
+                self._lock.wait(left)
+            landing = self._expected.pop((key, token), None)
+            if landing is not None:
+                landing.sock = conn
+            return landing
+
+    def _land(self, conn: socket.socket, landing: Landing) -> None:
+        s, land, verify = landing.session, 0.0, 0.0
+        while not landing.cancelled:
+            t0 = time.perf_counter()
+            head = recv_exact(conn, CHUNK.size)
+            if head is None:
+                raise TransportClosed("stream ended mid-transfer")
+            f, c, cs = CHUNK.unpack(head)
+            nxt = s.next_chunk()
+            if f == END or nxt is None:
+                if f != END or nxt is not None:
+                    want = nxt[:2] if nxt else "the end"
+                    raise FrameCountError(f"chunk ({f}, {c}) arrived, expected {want}")
+                break
+            bufs = s.chunk_buffers(f, c)  # FrameCountError unless (f, c) comes next
+            for b in bufs:
+                if not recv_into_all(conn, b):
+                    raise TransportClosed("stream ended mid-transfer")
+            t1 = time.perf_counter()
+            s.chunk_done(f, c, nxt[2], bufs, cs)  # verified while the chunk is still in cache
+            land, verify = land + t1 - t0, verify + time.perf_counter() - t1
+        s.timings["land_ms"], s.timings["verify_ms"] = land * 1e3, verify * 1e3

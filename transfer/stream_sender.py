@@ -1,0 +1,63 @@
+"""The sending end of the raw data stream (`stream_wire`): one socket from a prefill worker's
+`ZmqSender` to a receiver's stream listener, opened with the token from the signed handshake
+and confirmed by the receiver. `send` writes one transfer (header, then the payload chunks
+straight from pool memory or a staging slot, coalesced into `sendmsg` calls), checking between
+chunks whether the receiver already answered on the control channel. Any socket error closes
+the stream; the next transfer opens a fresh one with the same token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+from transfer.errors import TransportClosed
+from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, send_views
+
+
+class DataStream:
+    """Where the receiver's stream listens (("tcp", host, port) or ("ipc", path)) and its token."""
+
+    def __init__(self, where: tuple, token_hex: str, timeout_s: float):
+        self.where, self.token, self.timeout_s = where, bytes.fromhex(token_hex), timeout_s
+        self.sock: socket.socket | None = None
+
+    def open(self) -> None:
+        if self.sock is not None:
+            return
+        try:
+            if self.where[0] == "tcp":
+                s = socket.create_connection(self.where[1:], timeout=self.timeout_s)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(self.timeout_s)
+                s.connect(self.where[1])
+            s.sendall(OPEN.pack(OPEN_MAGIC, self.token))
+            if recv_exact(s, 1) != b"K":
+                s.close()
+                raise TransportClosed("the receiver refused the data stream's token")
+        except OSError as e:
+            raise TransportClosed(f"cannot open the data stream: {type(e).__name__}: {e}") from None
+        self.sock = s
+
+    def send(self, token: int, nbytes: int, items, answered) -> None:
+        """Write one transfer: items yield ((frame, chunk, slot, checksum), view); stop early once
+        `answered()`."""
+        self.open()
+        s = self.sock
+        try:
+            s.sendall(XFER.pack(XFER_MAGIC, token, nbytes))
+            for key, view in items:
+                send_views(s, (CHUNK.pack(key[0], key[1], key[3]), view))
+                if answered():
+                    return
+            s.sendall(CHUNK.pack(END, 0, 0))
+        except OSError:
+            self.close()  # the receiver's verdict (a nack) follows on the control channel
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.sock = None
