@@ -43,7 +43,9 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.transport import TransportConfig, ipc_address
 from transfer.zmq_wire import DATA
 
-TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ray")
+# zmq-tcp / zmq-ipc: ZeroMQ control + the raw data stream (the default data plane);
+# zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq").
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "ray")
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,11 @@ class _Receivers:
                               address="tcp://127.0.0.1:0", more_addresses=[ipc_address()])["addresses"]
             from transfer.zmq_sender import ZmqSender
 
-            for name, addr in zip(("zmq-tcp", "zmq-ipc"), addrs):
+            for name, addr, plane in zip(("zmq-tcp", "zmq-ipc", "zmq-frames"), addrs + addrs[:1],
+                                         ("stream", "stream", "zmq")):
                 if name in transports:
-                    s = ZmqSender(fp, TransportConfig(address=addr, chunk_bytes=chunk_bytes))
+                    cfg = TransportConfig(address=addr, chunk_bytes=chunk_bytes, data_plane=plane)
+                    s = ZmqSender(fp, cfg)
                     s.connect()
                     self.senders[name] = s
         if "ray" in transports:

@@ -21,6 +21,9 @@ _TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0
 _BYTES_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 13))  # 4 KiB .. 16 GiB
 
 
+MIGRATION_PHASES = ("query", "export", "wire", "prepare", "land", "verify", "commit")
+
+
 class Metrics:
     """Request-level metrics plus cluster hooks; `render()` is the /metrics body (bytes)."""
 
@@ -47,6 +50,10 @@ class Metrics:
         self.migration_latency = Histogram("pdserve_migration_latency_seconds",
                                            "KV migration time, prefill export to decode commit",
                                            ["transport"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.migration_phase = Histogram("pdserve_migration_phase_seconds",
+                                         "KV migration time per phase: query, export, wire (prefill side); "
+                                         "prepare, land, verify, commit (decode side)",
+                                         ["transport", "phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.migration_bytes = Histogram("pdserve_migration_bytes", "KV payload bytes per migration",
                                          ["transport"], buckets=_BYTES_BUCKETS, registry=r)
         self.migration_blocks = Counter("pdserve_migration_blocks", "KV blocks migrated", ["transport"],
@@ -94,8 +101,12 @@ class Metrics:
         self.errors.labels(kind=kind).inc()
 
     # ---- cluster hooks --------------------------------------------------------------------
-    def observe_migration(self, ms: float, nbytes: int, blocks: int = 0, transport: str = "zmq") -> None:
+    def observe_migration(self, ms: float, nbytes: int, blocks: int = 0, transport: str = "zmq",
+                          phases: dict | None = None) -> None:
         self.migration_latency.labels(transport=transport).observe(ms / 1000.0)
+        for name, phase_ms in (phases or {}).items():
+            if name.endswith("_ms") and name[:-3] in MIGRATION_PHASES:
+                self.migration_phase.labels(transport=transport, phase=name[:-3]).observe(phase_ms / 1000.0)
         self.migration_bytes.labels(transport=transport).observe(nbytes)
         self.migration_blocks.labels(transport=transport).inc(blocks)
 

@@ -91,9 +91,9 @@ class ReportsMixin:
             request.migration = {"ms": event.milliseconds, "bytes": event.payload_bytes,
                                  "blocks": event.blocks, "reused": event.reused_blocks,
                                  "seqs": event.sequences, "transport": event.transport,
-                                 "to": event.decode_worker}
+                                 "to": event.decode_worker, "phases": dict(event.phases)}
             self.metrics.observe_migration(event.milliseconds, event.payload_bytes, event.blocks,
-                                           event.transport)
+                                           event.transport, event.phases)
         elif isinstance(event, Imported):
             self._advance(request, Phase.DECODING)
         elif isinstance(event, ImportRefused):

@@ -6,7 +6,7 @@ and the migration timeline as a Chrome trace (`--trace`, opens in Perfetto)."""
 from __future__ import annotations
 
 NAME = "migrate"
-HELP = "benchmark KV migration between pools (zmq-tcp, zmq-ipc, ray) against baselines"
+HELP = "benchmark KV migration between pools (zmq-tcp, zmq-ipc, zmq-frames, ray) against baselines"
 GROUP = "bench"
 
 
@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
                    help="tiny | llama3-8b | L,H,D,dtype (repeatable; default: tiny and llama3-8b)")
     p.add_argument("--tokens", type=_ints, help="comma-separated token counts (e.g. 256,1024,4096)")
     p.add_argument("--block-sizes", type=_ints, help="comma-separated block sizes (default 16)")
-    p.add_argument("--transports", help="comma-separated: zmq-tcp,zmq-ipc,ray (default all)")
+    p.add_argument("--transports", help="comma-separated: zmq-tcp,zmq-ipc,zmq-frames,ray (default all)")
     p.add_argument("--repeats", type=int, help="timed transfers per point")
     p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 2)")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")

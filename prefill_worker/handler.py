@@ -152,6 +152,7 @@ class PrefillHandler:
             return
         started = time.perf_counter()
         total = {"payload_bytes": 0, "blocks": 0, "reused_blocks": 0, "sequences": 0}
+        phases: dict[str, float] = {}
         try:
             if target.decode_worker in unreachable:
                 raise TransferTimeout(f"{target.decode_worker} timed out on a migration moments ago")
@@ -161,6 +162,8 @@ class PrefillHandler:
                 state = DecodeState(list(s.token_ids), sampling, len(s.output_ids))
                 ack = sender.migrate(self.engine.kv, s.seq_id, f"{rid}/{s.index}", target.epoch, state,
                                      leases=self.leases)
+                for k, v in sender.last_phases.items():
+                    phases[k] = phases.get(k, 0.0) + v
                 total["payload_bytes"] += ack.nbytes
                 total["blocks"] += ack.new_blocks
                 total["reused_blocks"] += ack.reused_blocks
@@ -183,7 +186,7 @@ class PrefillHandler:
             return
         self.engine.release_prefilled(rid)
         events.append(Migrated(rid, target.decode_worker, target.epoch, (time.perf_counter() - started) * 1e3,
-                               transport=self.config.transport, **total))
+                               transport=self.config.transport, phases=phases, **total))
 
     def _resend(self, cmd: Resend) -> Reply:
         rid = cmd.request_id

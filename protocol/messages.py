@@ -181,6 +181,9 @@ class Migrated:
     reused_blocks: int
     sequences: int
     transport: str
+    # milliseconds per phase, summed over the request's sequences: query, export, wire (sender) and
+    # prepare, land, verify, commit (receiver, from its acks); keys as in transfer.transport
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @message

@@ -120,6 +120,7 @@ class RaySender:
         self.metrics = metrics or DEFAULT_METRICS
         self.conn = uuid.uuid4().hex
         self.plan: CompatPlan | None = None
+        self.last_phases: dict[str, float] = {}  # of the last migration (transport.migrate)
 
     def _get(self, ref, timeout: float, what: str):
         import ray

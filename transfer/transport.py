@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -113,9 +114,16 @@ def ipc_address(name: str | None = None, directory: str | None = None) -> str:
     return "ipc://" + os.path.join(directory, f"pdserve-kv-{name or uuid.uuid4().hex[:12]}.sock")
 
 
+# the receiver's phases of one import, from its ack (milliseconds): validate + reserve, bytes landing
+# in the blocks (data stream), checksums of landed chunks, adopting the blocks
+RECEIVER_PHASES = ("prepare_ms", "land_ms", "verify_ms", "commit_ms")
+
+
 def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
             leases=None, timeout: float | None = None, checksum_mode: str = "inline"):
-    """Shared body of `Sender.migrate`: dedupe query (when asked), export, send.
+    """Shared body of `Sender.migrate`: dedupe query (when asked), export, send. The phases of
+    the last successful migration (query, export, wire and the receiver's RECEIVER_PHASES, in ms)
+    are left in `sender.last_phases`.
 
     Resends once in full after a DedupeMiss (a held block was evicted meanwhile) and once after
     HandshakeRequired (the receiver restarted). Exports are added to `leases` (a LeaseTable)
@@ -124,6 +132,7 @@ def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *,
     from transfer.errors import DedupeMiss, HandshakeRequired
     from transfer.export import ExportConfig, export_sequence
 
+    t0 = time.perf_counter()
     plan = sender.plan or sender.connect()
     reuse: list[int] = []
     if dedupe:
@@ -131,20 +140,29 @@ def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *,
         reuse = sender.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
     c = sender.config
     cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=checksum_mode, lease_s=c.lease_s)
+    phases = sender.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
     for attempt in range(2):
+        t1 = time.perf_counter()
         ex = export_sequence(manager, seq_id, request_id, epoch, state, reuse=reuse,
                              reuse_block_size=plan.dst_block_size if reuse else 0, config=cfg,
                              limits=c.limits)
         if leases is not None:
             leases.add(ex)
+        t2 = time.perf_counter()
         try:
-            return sender.send(ex, timeout)
+            ack = sender.send(ex, timeout)
         except DedupeMiss:
             if attempt or not reuse:
                 raise
             reuse = []
+            continue
         except HandshakeRequired:
             if attempt:
                 raise
             plan = sender.connect()
+            continue
+        t3 = time.perf_counter()
+        phases.update(export_ms=(t2 - t1) * 1e3, wire_ms=(t3 - t2) * 1e3)
+        phases.update({k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES})
+        return ack
     raise AssertionError("unreachable")

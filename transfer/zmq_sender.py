@@ -37,6 +37,7 @@ class ZmqSender:
         self.ctx = zmq.Context(io_threads=self.config.io_threads)
         self.sock = None
         self.plan: CompatPlan | None = None
+        self.last_phases: dict[str, float] = {}  # of the last migration (transport.migrate)
         self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
         self._token = 0
         self._open()
