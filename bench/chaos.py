@@ -46,7 +46,7 @@ class ChaosConfig:
     faults: tuple[str, ...] = tuple(f.name for f in FAULTS)
     requests_per_fault: int = 64
     concurrency: int = 6
-    fault_count: int = 3
+    fault_count: int = 6
     prefill: int = 1
     decode: int = 2
     num_blocks: int = 512
@@ -68,7 +68,7 @@ class ChaosConfig:
             raise ValueError("chaos needs >= 2 decode workers (a killed one's requests move to another)")
 
 
-QUICK = ChaosConfig(requests_per_fault=20)  # 16 faults x 20 = 320 requests, plus probes
+QUICK = ChaosConfig(requests_per_fault=20, fault_count=3)  # 16 faults x 20 = 320 requests, plus probes
 PROBES = 16  # probe requests prepared per phase (reused cyclically)
 
 

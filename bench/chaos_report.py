@@ -59,8 +59,8 @@ def plot(report: dict, path: str) -> None:
     ax2.bar(x, recs, color="tab:blue", label="time to recover capacity")
     for i, e in enumerate(faults):
         if e["corruptions_injected"] or e["corruptions_detected"]:
-            ax2.annotate(f"{e['corruptions_detected']}/{e['corruptions_injected']} detected",
-                         (i, recs[i]), ha="center", va="bottom", fontsize=7)
+            ax2.annotate(f"{e['corruptions_detected']}/{e['corruptions_injected']}\ndetected",
+                         (i, recs[i]), ha="center", va="bottom", fontsize=6)
     ax2.set_ylabel("recovery (s)")
     ax2.set_xticks(list(x))
     ax2.set_xticklabels(names, rotation=40, ha="right", fontsize=8)

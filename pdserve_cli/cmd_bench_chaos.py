@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--faults", help="comma-separated fault names (default: all, in order)")
     p.add_argument("--requests-per-fault", type=int, help="load requests per fault (default 64; quick 20)")
     p.add_argument("--concurrency", type=int, help="client threads (default 6)")
-    p.add_argument("--fault-count", type=int, help="transfers hit per transfer-fault phase (default 3)")
+    p.add_argument("--fault-count", type=int, help="faulted transfers per phase (default 6; quick 3)")
     p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
     p.add_argument("--seed", type=int, help="base seed of prompts and sampling seeds")
 
