@@ -212,12 +212,15 @@ def plot(report: dict, path: str) -> None:
     ts = [s["t_s"] / 60.0 for s in samples]
     names = sorted({n for s in samples for n in s["workers"]})
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for n in names:
-        rows = [s["workers"].get(n) for s in samples]
-        ax1.plot(ts, [r and r["rss_mib"] for r in rows], label=n)
-        ax2.plot(ts, [r and r["free_blocks"] + r["cached_blocks"] for r in rows], label=f"{n} free + cached")
-        ax2.plot(ts, [r and r["free_blocks"] for r in rows], ls="--", lw=0.8, label=f"{n} free")
-    ax1.plot(ts, [s["coordinator_rss_mib"] for s in samples], label="coordinator (this process)")
+    for k, n in enumerate(names):
+        rows, color = [s["workers"].get(n) for s in samples], f"C{k}"
+        ax1.plot(ts, [r and r["rss_mib"] for r in rows], color=color, label=n)
+        ax2.plot(ts, [r and r["free_blocks"] + r["cached_blocks"] for r in rows], color=color,
+                 label=f"{n} free + cached")
+        ax2.plot(ts, [r and r["free_blocks"] for r in rows], color=color, ls="--", lw=0.8,
+                 label=f"{n} free (the rest holds cached prefixes)")
+    ax1.plot(ts, [s["coordinator_rss_mib"] for s in samples], color=f"C{len(names)}",
+             label="coordinator (this process)")
     ax1.set_ylabel("RSS (MiB)")
     minutes = report["duration_s"] / 60
     ax1.set_title(f"pdserve bench soak: {report['config']['rate']:g} req/s for {minutes:.1f} min")
