@@ -148,6 +148,10 @@ class LLMEngine:
         req = self.prefilled.pop(request_id)
         self._free_seqs(req)
 
+    def free_request(self, req: Request) -> None:
+        """Prefill role: free a request taken out of `prefilled` (its migration is over)."""
+        self._free_seqs(req)
+
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -1,13 +1,15 @@
 """The prefill role on the worker runtime: prefill, send first tokens, migrate, hold on failure.
 
-After each engine step the handler migrates every live sequence of each prefilled request to
-the decode worker the coordinator named, under the epoch it gave (`transfer/`), and releases
-its blocks (full ones stay in the prefix cache). A migration that fails keeps the blocks: the
-request is *held* until the coordinator names another decode worker with `Resend` (no
-re-prefill), and released on success, `Abort`, `DropHeld`, a newer `Submit` of the request, or
-after `hold_s` without a resend (reported as `RequestFailed(kind='hold_expired')`). Exports are
-tracked in a LeaseTable: a failed transfer's lease is released at once (the held request still
-pins the blocks).
+After each engine step the handler hands every prefilled request to a transfer thread
+(`prefill_worker.shipper`), which migrates its live sequences to the decode worker the
+coordinator named, under the epoch it gave (`transfer/`), while the engine keeps stepping. The
+request's blocks stay allocated, owned by the handler (`inflight`), until the result comes back
+on the loop thread; then they are released (full ones stay in the prefix cache). A migration
+that fails keeps the blocks: the request is *held* until the coordinator names another decode
+worker with `Resend` (no re-prefill), and released on success, `Abort`, `DropHeld`, a newer
+`Submit` of the request, or after `hold_s` without a resend (reported as
+`RequestFailed(kind='hold_expired')`). An `Abort` of a request in flight frees its blocks when
+its transfer returns.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from prefill_worker.shipper import ShipJob, Shipped, Shipper
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
-from transfer.errors import TransferError, TransferTimeout
-from transfer.lease import LeaseTable
 from transfer.messages import DecodeState
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,7 @@ log = logging.getLogger(__name__)
 class PrefillWorkerConfig(WorkerConfig):
     transport: str = "zmq"           # how KV travels to decode workers: 'zmq' or 'ray'
     namespace: str = ""              # Ray namespace of the decode actors (ray transport)
-    # bound on one migration's ack and on a handshake; the loop waits for it, so keep it below the
-    # coordinator's heartbeat timeout
+    # bound on one migration's ack and on a handshake (waited for on a transfer thread, not the loop)
     transfer_timeout_s: float = 30.0
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
     hold_s: float = 30.0
@@ -38,6 +38,14 @@ class PrefillWorkerConfig(WorkerConfig):
     def __post_init__(self) -> None:
         if self.transport not in ("zmq", "ray"):
             raise ValueError(f"transport must be 'zmq' or 'ray', got {self.transport!r}")
+
+
+@dataclass
+class _Flight:
+    """A request whose migration runs on a transfer thread; its blocks are freed when it returns."""
+
+    request: object
+    cancelled: bool = False  # aborted or superseded meanwhile: free the blocks, report nothing
 
 
 @dataclass
@@ -58,12 +66,18 @@ class PrefillHandler:
         self.config, self.engine = config, engine
         self.targets: dict[str, _Target] = {}                # request id -> migration target
         self.held: dict[str, tuple[int, float]] = {}         # request id -> (failed epoch, deadline)
-        self.leases = LeaseTable()
+        self.inflight: dict[str, _Flight] = {}                # request id -> migration on a transfer thread
         keys = config.keys
-        self.senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
-                                  config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
-        self.faults = self.senders.faults  # what InjectFault arms (the chaos benchmark)
+        senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
+                             config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
+        self.faults = senders.faults  # what InjectFault arms (the chaos benchmark)
+        self._shipped: list[Shipped] = []  # results not posted to a loop (before `attach`)
+        self.shipper = Shipper(senders, engine.kv, self._shipped.append)
         self.prefills = self.resends = self.hold_expired = 0
+
+    def attach(self, post) -> None:
+        """The worker loop's `send`: a finished migration wakes the loop as a queued command."""
+        self.shipper.post = post
 
     # ---- the calling thread -----------------------------------------------------------------------
     def accept(self, cmd):
@@ -77,7 +91,10 @@ class PrefillHandler:
             return QUEUE
         if isinstance(cmd, (Abort, DropHeld)):
             return QUEUE
-        if isinstance(cmd, (Resend, Connect)):
+        if isinstance(cmd, Connect):  # the handshake runs on that decode worker's transfer thread
+            return Reply(error=self.shipper.connect(cmd.decode_worker, cmd.decode_address,
+                                                    self.config.transfer_timeout_s) or "")
+        if isinstance(cmd, Resend):
             return CALL
         return Reply(error=f"a prefill worker does not take {type(cmd).__name__}")
 
@@ -92,20 +109,24 @@ class PrefillHandler:
                 self._release(cmd.request_id)
         elif isinstance(cmd, Resend):
             return self._resend(cmd)
-        elif isinstance(cmd, Connect):
-            return Reply(error=self.senders.connect(cmd.decode_worker, cmd.decode_address) or "")
+        elif isinstance(cmd, Shipped):
+            self._landed(cmd, events)
         return Reply()
 
     def _release(self, rid: str) -> None:
         self.targets.pop(rid, None)
         self.held.pop(rid, None)
         self.engine.abort(rid)
+        if rid in self.inflight:
+            self.inflight[rid].cancelled = True
 
     def _submit(self, cmd: Submit, events: list) -> None:
         rid = cmd.request_id
         self.held.pop(rid, None)
         if rid in self.engine.requests or rid in self.engine.prefilled:
             self.engine.abort(rid)  # an earlier attempt of the same request: this one supersedes it
+        if rid in self.inflight:
+            self.inflight[rid].cancelled = True
         try:
             self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid)
         except Exception as e:  # validated already; a race with the pool
@@ -130,63 +151,46 @@ class PrefillHandler:
                 self.targets.pop(o.request_id, None)  # every choice ended at its first token
 
     def after_step(self, events: list) -> None:
-        # NOTE: migrations run on this loop thread. After one to a decode worker timed out (it died),
-        # the others queued for it are held at once instead of each waiting out its own timeout: the
-        # loop must report again before heartbeat_timeout_s, or this worker is declared dead too.
-        unreachable: set[str] = set()
+        while self._shipped:  # finished before a loop was attached (a handler driven by hand)
+            self._landed(self._shipped.pop(0), events)
         for rid in list(self.engine.prefilled):
             if rid not in self.held:
-                self._migrate(rid, events, unreachable)
+                self._ship(rid)
         self._expire_held(events)
-        self.leases.expire()
 
-    def _migrate(self, rid: str, events: list, unreachable: set | None = None) -> None:
-        """Ship every live sequence of a prefilled request; on the ack free our blocks (full ones stay
-        cached). On a failure hold them for a `Resend` (see the module docstring). unreachable: decode
-        workers a migration to timed out in this iteration (not tried again until the next one)."""
-        unreachable = set() if unreachable is None else unreachable
+    def _ship(self, rid: str) -> None:
+        """Hand a prefilled request to its decode worker's transfer thread; the blocks stay ours."""
         target = self.targets.pop(rid, None)
-        req = self.engine.prefilled[rid]
+        req = self.engine.prefilled.pop(rid)
         if target is None:  # aborted meanwhile
-            self.engine.release_prefilled(rid)
+            self.engine.free_request(req)
             return
-        started = time.perf_counter()
-        total = {"payload_bytes": 0, "blocks": 0, "reused_blocks": 0, "sequences": 0}
-        phases: dict[str, float] = {}
-        try:
-            if target.decode_worker in unreachable:
-                raise TransferTimeout(f"{target.decode_worker} timed out on a migration moments ago")
-            sender = self.senders.get(target.decode_worker, target.decode_address)
-            sampling = req.params.to_dict()
-            for s in req.live_seqs:
-                state = DecodeState(list(s.token_ids), sampling, len(s.output_ids))
-                ack = sender.migrate(self.engine.kv, s.seq_id, f"{rid}/{s.index}", target.epoch, state,
-                                     leases=self.leases)
-                for k, v in sender.last_phases.items():
-                    phases[k] = phases.get(k, 0.0) + v
-                total["payload_bytes"] += ack.nbytes
-                total["blocks"] += ack.new_blocks
-                total["reused_blocks"] += ack.reused_blocks
-                total["sequences"] += 1
-        except (TransferError, OSError, RuntimeError, ValueError) as e:
-            log.warning("%s: migration of %s to %s failed: %s", self.config.name, rid,
-                        target.decode_worker, e)
-            self.senders.forget_if_broken(target.decode_worker, e)
-            if isinstance(e, TransferTimeout):
-                unreachable.add(target.decode_worker)
-            for s in req.seqs:  # the unacked exports' extra references (the table still holds them)
-                self.leases.release(f"{rid}/{s.index}", target.epoch)
-            held = self.config.hold_s > 0
-            if held:
-                self.held[rid] = (target.epoch, time.monotonic() + self.config.hold_s)
-            else:
-                self.engine.release_prefilled(rid)
-            why = f"migration to {target.decode_worker} failed: {type(e).__name__}: {e}"
-            events.append(RequestFailed(rid, target.epoch, "migration", why, held))
+        sampling = req.params.to_dict()
+        seqs = [(s.seq_id, f"{rid}/{s.index}", DecodeState(list(s.token_ids), sampling, len(s.output_ids)))
+                for s in req.live_seqs]
+        self.inflight[rid] = _Flight(req)
+        self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, seqs))
+
+    def _landed(self, done: Shipped, events: list) -> None:
+        """A transfer thread's result, on the loop thread: free the blocks, or hold them."""
+        job = done.job
+        flight = self.inflight.pop(job.rid)
+        if flight.cancelled or done.error is None:
+            self.engine.free_request(flight.request)  # full blocks stay in the prefix cache
+            if not flight.cancelled:
+                events.append(Migrated(job.rid, job.decode_worker, job.epoch, done.milliseconds,
+                                       transport=self.config.transport, phases=done.phases, **done.totals))
             return
-        self.engine.release_prefilled(rid)
-        events.append(Migrated(rid, target.decode_worker, target.epoch, (time.perf_counter() - started) * 1e3,
-                               transport=self.config.transport, phases=phases, **total))
+        e = done.error
+        log.warning("%s: migration of %s to %s failed: %s", self.config.name, job.rid, job.decode_worker, e)
+        held = self.config.hold_s > 0
+        if held:
+            self.engine.prefilled[job.rid] = flight.request
+            self.held[job.rid] = (job.epoch, time.monotonic() + self.config.hold_s)
+        else:
+            self.engine.free_request(flight.request)
+        why = f"migration to {job.decode_worker} failed: {type(e).__name__}: {e}"
+        events.append(RequestFailed(job.rid, job.epoch, "migration", why, held))
 
     def _resend(self, cmd: Resend) -> Reply:
         rid = cmd.request_id
@@ -209,16 +213,18 @@ class PrefillHandler:
 
     # ---- reports ----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"held_requests": len(self.engine.prefilled), "held_for_resend": len(self.held),
+        return {"held_requests": len(self.engine.prefilled) + len(self.inflight),
+                "migrations_in_flight": len(self.inflight), "held_for_resend": len(self.held),
                 "prefills": self.prefills, "resends": self.resends, "hold_expired": self.hold_expired,
-                "prefix_hit_tokens": self.engine.kv.prefix_hit_tokens, "leases": len(self.leases),
+                "prefix_hit_tokens": self.engine.kv.prefix_hit_tokens,
                 "faults_injected": sum(self.faults.injected.values()),
                 "corruptions_injected": self.faults.corruptions()}
 
     def holdings(self) -> dict[str, int]:
         from runtime.holdings import blocks_by_request
 
-        return blocks_by_request(self.engine, {**self.engine.requests, **self.engine.prefilled})
+        flying = {rid: f.request for rid, f in self.inflight.items()}
+        return blocks_by_request(self.engine, {**flying, **self.engine.requests, **self.engine.prefilled})
 
     def close(self) -> None:
-        self.senders.close()
+        self.shipper.close()

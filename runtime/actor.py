@@ -82,6 +82,8 @@ class WorkerActor:
         c = self.config
         loop_config = LoopConfig(c.name, c.heartbeat_s, c.idle_poll_s, c.busy_poll_s, c.call_timeout_s)
         self.loop = WorkerLoop(loop_config, self.handler, self._emit)
+        if hasattr(self.handler, "attach"):  # a role with threads of its own posts their results here
+            self.handler.attach(self.loop.send)
 
     def make_handler(self, config, engine):
         raise NotImplementedError

@@ -189,13 +189,15 @@ def _check_resend(cluster: ClusterServer, local_engine: LLMEngine) -> None:
     def at_rest(ws):
         live = [w for w in ws.values() if w["name"] != "decode-0"]
         return all(w["used_blocks"] == 0 for w in live) and all(
-            w["held_for_resend"] == 0 and w["leases"] == 0 for w in live if w["role"] == "prefill")
+            w["held_for_resend"] == 0 and w["migrations_in_flight"] == 0
+            for w in live if w["role"] == "prefill")
     ws = cc.poll_workers(port, at_rest)
     assert sum(w["prefills"] for w in ws.values() if w["role"] == "prefill") == prefills + 1  # no re-prefill
     assert sum(w["resends"] for w in ws.values() if w["role"] == "prefill") == 1
     live = {n: w["used_blocks"] for n, w in ws.items() if n != "decode-0"}
     assert live == {n: 0 for n in live}
-    assert all(w["held_for_resend"] == 0 and w["leases"] == 0 for w in ws.values() if w["role"] == "prefill")
+    assert all(w["held_for_resend"] == 0 and w["migrations_in_flight"] == 0
+               for w in ws.values() if w["role"] == "prefill")
     ledger = cc.cluster_info(port)["ledger"]
     assert ledger["active_requests"] == 0 and ledger["owned_blocks"] == 0 and ledger["failed"] == failed
     assert cc.ledger_differences(backend.info()) == {}
@@ -221,11 +223,12 @@ def test_no_decode_worker_can_take_the_held_blocks_503_and_they_are_released(ray
         assert "no other decode worker could take the held KV" in msg
 
         def released(found):
-            return all(w["used_blocks"] == 0 and w["held_for_resend"] == 0 and w["leases"] == 0
+            return all(w["used_blocks"] == 0 and w["held_for_resend"] == 0 and w["migrations_in_flight"] == 0
                        for w in found.values() if w["role"] == "prefill")
         ws = cc.poll_workers(port, released)
         prefill = [w for w in ws.values() if w["role"] == "prefill"]
-        assert [(w["used_blocks"], w["held_for_resend"], w["leases"]) for w in prefill] == [(0, 0, 0)]
+        at_rest = [(w["used_blocks"], w["held_for_resend"], w["migrations_in_flight"]) for w in prefill]
+        assert at_rest == [(0, 0, 0)]
         ledger = cc.cluster_info(port)["ledger"]
         assert ledger["active_requests"] == 0 and ledger["failed"] == 1
     finally:

@@ -32,6 +32,9 @@ class ExportConfig:
     checksum_mode: "manifest" computes every chunk's checksum now and puts it in the manifest;
       "inline" leaves them to the transport, which hashes each chunk as it streams it.
     lease_s: how long the exported blocks stay referenced without an ack.
+    lease: take a reference on every exported block until the ack (False: the caller keeps the
+      sequence's blocks allocated until the send returns, and no allocator call is made, so an
+      export can be built off the thread that owns the pool).
     stage: force the staged (device-style) read path even for a CPU pool (tests use it).
     """
 
@@ -39,6 +42,7 @@ class ExportConfig:
     max_frame_bytes: int = 1 << 30
     checksum_mode: str = "manifest"
     lease_s: float = 60.0
+    lease: bool = True
     stage: bool = False
 
 
@@ -134,7 +138,7 @@ def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int
             r[1] += 1
         else:
             runs.append([i, 1])
-    held = [blocks[i] for first, count in runs for i in range(first, first + count)]
+    held = [blocks[i] for first, count in runs for i in range(first, first + count)] if config.lease else []
     for b in held:
         manager.allocator.incref(b)
     try:

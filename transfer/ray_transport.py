@@ -194,10 +194,10 @@ class RaySender:
         return ack
 
     def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
-                leases=None, timeout: float | None = None) -> Ack:
+                leases=None, timeout: float | None = None, lease: bool = True) -> Ack:
         """Dedupe query, export (checksums in the manifest), send; see `transport.migrate`."""
         return migrate(self, manager, seq_id, request_id, epoch, state, dedupe=dedupe, leases=leases,
-                       timeout=timeout, checksum_mode="manifest")
+                       timeout=timeout, checksum_mode="manifest", lease=lease)
 
 
 def _reply_of(sender, data: bytes, cls):

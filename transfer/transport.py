@@ -120,14 +120,15 @@ RECEIVER_PHASES = ("prepare_ms", "land_ms", "verify_ms", "commit_ms")
 
 
 def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
-            leases=None, timeout: float | None = None, checksum_mode: str = "inline"):
+            leases=None, timeout: float | None = None, checksum_mode: str = "inline", lease: bool = True):
     """Shared body of `Sender.migrate`: dedupe query (when asked), export, send. The phases of
     the last successful migration (query, export, wire and the receiver's RECEIVER_PHASES, in ms)
     are left in `sender.last_phases`.
 
     Resends once in full after a DedupeMiss (a held block was evicted meanwhile) and once after
     HandshakeRequired (the receiver restarted). Exports are added to `leases` (a LeaseTable)
-    when given, so an unacknowledged one is released when its lease expires.
+    when given, so an unacknowledged one is released when its lease expires; with lease=False the
+    caller keeps the blocks allocated until this returns (see ExportConfig.lease).
     """
     from transfer.errors import DedupeMiss, HandshakeRequired
     from transfer.export import ExportConfig, export_sequence
@@ -139,7 +140,7 @@ def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *,
         t = manager.table(seq_id)
         reuse = sender.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
     c = sender.config
-    cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=checksum_mode, lease_s=c.lease_s)
+    cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=checksum_mode, lease_s=c.lease_s, lease=lease)
     phases = sender.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
     for attempt in range(2):
         t1 = time.perf_counter()

@@ -1,0 +1,142 @@
+"""Transfer threads of a prefill worker: migrations run here, never on the engine loop.
+
+The loop thread hands a prefilled request to `ship` and keeps stepping; the request's tables stay
+allocated (the handler owns them) until the result comes back, so the thread reads stable pool
+memory without taking references of its own (exports are built with `lease=False`: no allocator
+call happens off the loop thread). There is one thread per decode worker, each with its own
+sender (`transfer.senders.SenderPool`), so a dead or slow decode worker delays only the
+migrations queued for it; after one times out, the jobs already queued for that worker fail at
+once instead of each waiting out its own timeout. Each finished job is handed back as a
+`Shipped` through `post` (the worker loop's command queue), where the handler frees the blocks,
+reports `Migrated`, or holds the request for a resend. `connect` runs a handshake on the target's
+thread and waits for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from transfer.errors import TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShipJob:
+    """Migrate these sequences of request `rid` to `decode_worker` under `epoch`."""
+
+    rid: str
+    decode_worker: str
+    decode_address: str
+    epoch: int
+    seqs: list  # (seq_id, transfer id "rid/index", DecodeState)
+
+
+@dataclass
+class Shipped:
+    """A finished ShipJob: `error` is None when every sequence was acknowledged."""
+
+    job: ShipJob
+    error: Exception | None
+    milliseconds: float
+    totals: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)
+
+
+class Shipper:
+    def __init__(self, senders, manager, post):
+        self.senders, self.manager, self.post = senders, manager, post
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _queue(self, name: str) -> queue.SimpleQueue:
+        with self._lock:
+            q = self._queues.get(name)
+            if q is None:
+                q = self._queues[name] = queue.SimpleQueue()
+                t = threading.Thread(target=self._run, args=(name, q), name=f"ship-{name}", daemon=True)
+                t.start()
+                self._threads.append(t)
+            return q
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def ship(self, job: ShipJob) -> None:
+        self._queue(job.decode_worker).put(job)
+
+    def connect(self, name: str, address: str, timeout: float) -> str | None:
+        """Handshake with a decode worker on its thread; an error message, or None when compatible."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue(name).put((future, address))
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return f"TransferTimeout: no handshake with {name} within {timeout:g}s"
+
+    def close(self) -> None:
+        with self._lock:
+            queues, threads = list(self._queues.values()), list(self._threads)
+        for q in queues:
+            q.put(None)
+        for t in threads:
+            t.join(5)
+        self.senders.close()
+
+    # ---- the transfer threads ----------------------------------------------------------------------
+    def _run(self, name: str, q: queue.SimpleQueue) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):  # a handshake request
+                future, address = item
+                future.set_result(self.senders.connect(name, address))
+                continue
+            try:
+                done = self._migrate(item)
+            except Exception as e:  # never lose a job: the handler must get its blocks back
+                log.exception("transfer thread %s failed", name)
+                done = Shipped(item, RuntimeError(f"transfer thread failed: {type(e).__name__}"), 0.0)
+            self.post(done)
+            if isinstance(done.error, TransferTimeout):
+                self._fail_queued(name, q)
+
+    def _fail_queued(self, name: str, q: queue.SimpleQueue) -> None:
+        """The decode worker just timed out: what is queued for it fails now (held for a resend)."""
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                q.put(None)
+                return
+            why = f"{name} timed out on a migration moments ago"
+            if isinstance(item, tuple):
+                item[0].set_result(f"TransferTimeout: {why}")
+            else:
+                self.post(Shipped(item, TransferTimeout(why), 0.0))
+
+    def _migrate(self, job: ShipJob) -> Shipped:
+        started = time.perf_counter()
+        totals = {"payload_bytes": 0, "blocks": 0, "reused_blocks": 0, "sequences": 0}
+        phases: dict[str, float] = {}
+        try:
+            sender = self.senders.get(job.decode_worker, job.decode_address)
+            for seq_id, transfer_id, state in job.seqs:
+                ack = sender.migrate(self.manager, seq_id, transfer_id, job.epoch, state, lease=False)
+                for k, v in sender.last_phases.items():
+                    phases[k] = phases.get(k, 0.0) + v
+                totals["payload_bytes"] += ack.nbytes
+                totals["blocks"] += ack.new_blocks
+                totals["reused_blocks"] += ack.reused_blocks
+                totals["sequences"] += 1
+        except (TransferError, OSError, RuntimeError, ValueError) as e:
+            self.senders.forget_if_broken(job.decode_worker, e)
+            return Shipped(job, e, (time.perf_counter() - started) * 1e3)
+        return Shipped(job, None, (time.perf_counter() - started) * 1e3, totals, phases)
