@@ -2,10 +2,12 @@
 shipped trace (table, JSON and figure under `out`), then a disaggregated cluster on an embedded
 local Ray with 1 prefill + 1 decode worker serving a real model (SmolLM2-135M-Instruct by
 default, `smollm2`; `tiny` is the random test model) and KV migrated over ZeroMQ (or Ray), to
-which it sends a handful of requests over HTTP (two sharing a long prefix, one with n=2, one
-streamed chat), printing each answer's text with its migration (blocks, bytes, ms, transport)
-and TTFT/TPOT, then the ownership ledger's end state (nothing owned), before shutting everything
-down, the Ray it started included. Only the command line imports this module.
+which it sends a handful of requests over HTTP (two sharing a long prefix, a long prompt whose
+KV streams out while it is still being prefilled, one with n=2, one streamed chat), printing
+each answer's text with its migration (blocks, bytes, ms, transport; for the long prompt, how
+much of the transfer overlapped the prefill) and TTFT/TPOT, then the ownership ledger's end
+state (nothing owned), before shutting everything down, the Ray it started included. Only the
+command line imports this module.
 """
 
 from __future__ import annotations
@@ -83,6 +85,17 @@ def _report(label: str, body: dict) -> None:
         print(f"    [{c['index']}] {c['finish_reason']:6s} {len(c['token_ids'])} tokens: {printable(text)}")
 
 
+def _overlap(body: dict) -> None:
+    """How much of a streamed migration overlapped the prompt's prefill."""
+    phases = ((body.get("pdserve", {}).get("backend") or {}).get("migration") or {}).get("phases") or {}
+    if "overlap_pct" in phases:
+        print(f"    streamed migration: {phases['overlap_pct']:.0f}% of the KV left while the prompt was "
+              f"still computing ({phases['streamed_ms']:.0f} ms alongside the prefill); "
+              f"{phases['exposed_ms']:.1f} ms after its last chunk")
+    else:
+        print("    migrated whole after the prefill (no streamed migration)")
+
+
 def printable(text: str) -> str:
     """The answer on one line: whitespace runs (newlines too) become one space."""
     return " ".join(text.split()) or "(empty)"
@@ -94,8 +107,10 @@ def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model
 
     t0 = time.perf_counter()
     started = start_ray(RayConfig())
+    # a step budget of 128 tokens: the long prompt below prefills in chunks, and its KV streams out
     srv = ClusterServer(ClusterConfig(prefill=1, decode=1, transport=transport, model=model,
-                                      block_size=block_size, decode_block_size=decode_block_size))
+                                      block_size=block_size, decode_block_size=decode_block_size,
+                                      engine={"scheduler": {"max_num_batched_tokens": 128}}))
     try:
         port = srv.start()
         base = f"http://127.0.0.1:{port}"
@@ -110,6 +125,9 @@ def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model
             _report(label, _post(base, {**line, "prompt": f"{prefix}Q: {question}\nA:"}))
         _report("n=2, seed 7", _post(base, {**common, "prompt": "Once upon a time", "n": 2,
                                             "temperature": 0.8, "seed": 7}))
+        long = _post(base, {**line, "prompt": prefix * 8 + "Q: What is the capital of Japan?\nA:"})
+        _report("long prompt", long)
+        _overlap(long)
         if model == "tiny":  # the random test model has no chat template
             _report("streamed", _stream(base, {**common, "prompt": "Streaming tokens back, one at a time"}))
         else:

@@ -66,6 +66,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         self.workers: dict = {}
         self._requests: dict[str, RequestState] = {}
         self._lost: set[str] = set()
+        self._replacing: set[str] = set()  # lost workers whose replacement is on the way
         self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
         self._joining: dict = {}                     # replacement workers not yet handshaken
         self._waiters: collections.deque = collections.deque()  # requests waiting for decode room, in order

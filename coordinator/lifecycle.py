@@ -6,8 +6,10 @@ with every decode worker: an incompatible pair (layout, model) refuses to start,
 A worker found dead (coordinator.failover's monitor) is replaced after a backoff that doubles
 with each recent replacement of its slot, at most `max_restarts` per `restart_window_s`; the
 replacement ("decode-0-r1") joins only after the same handshakes as at start, and the dead
-one leaves the worker table. If the coordinator itself dies, Ray ends the workers it owns
-(actors share their owner's fate), so no worker outlives it holding blocks.
+one leaves the worker table. One replacement per lost worker at a time; a worker that reports
+again during the backoff (slow, not dead) is kept instead. If the coordinator itself dies, Ray
+ends the workers it owns (actors share their owner's fate), so no worker outlives it holding
+blocks.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ log = logging.getLogger(__name__)
 
 class LifecycleMixin:
     """Needs from the host class: config, colocated, workers, routers, ledger, reconciler, metrics,
-    namespace, tokenizer, _pull, _reader, _monitor_task, _tasks, _lost, _restarts, _joining, _requests,
-    _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
+    namespace, tokenizer, _pull, _reader, _monitor_task, _tasks, _lost, _replacing, _restarts, _joining,
+    _requests, _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
 
     async def start(self):
         from engine.tokenizer import load_tokenizer
@@ -129,6 +131,15 @@ class LifecycleMixin:
 
     async def _replace(self, dead) -> None:
         """Replace a dead worker (see the module docstring); gives up, logged, past the limit."""
+        if dead.name in self._replacing:  # it was lost again while its replacement was on the way
+            return
+        self._replacing.add(dead.name)
+        try:
+            await self._replace_once(dead)
+        finally:
+            self._replacing.discard(dead.name)
+
+    async def _replace_once(self, dead) -> None:
         import ray
 
         c, slot = self.config, dead.slot or dead.name
@@ -141,6 +152,9 @@ class LifecycleMixin:
             self.metrics.count_error("restart_limit")
             return
         await asyncio.sleep(c.restart_backoff_s * 2 ** len(recent))
+        if dead.name not in self._lost:  # it reported again during the backoff: slow, not dead
+            log.warning("worker %s came back: not replaced", dead.name)
+            return
         recent.append(time.monotonic())
         ray.kill(dead.handle, no_restart=True)  # a wedged one still holds its CPUs, GPU and blocks
         worker = spawn_worker(c, dead.role, slot, self._pull.address, self.namespace, dead.generation + 1,

@@ -138,8 +138,8 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
     engine = {"model": c.model, "num_blocks": c.num_blocks, **c.engine, "block_size": c.block_size}
     config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s}
     resources = {}
-    if role == "prefill":  # a stuck transfer must end before the heartbeat is missed
-        config.update(transport=c.transport, namespace=namespace,
+    if role == "prefill":
+        config.update(transport=c.transport, namespace=namespace, stream_migration=c.stream_migration,
                       transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s),
                       hold_s=c.reserve_wait_s + 2 * c.call_timeout_s)  # outlives a resend's reserve
         resources = c.prefill_resources

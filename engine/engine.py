@@ -51,6 +51,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
 
     def __post_init__(self) -> None:
+        if isinstance(self.scheduler, dict):  # from a worker's config dict (YAML, ClusterConfig.engine)
+            object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 

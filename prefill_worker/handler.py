@@ -15,8 +15,9 @@ its transfer returns.
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefill_worker.shipper import ShipJob, Shipped, Shipper
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
@@ -34,6 +35,10 @@ class PrefillWorkerConfig(WorkerConfig):
     transfer_timeout_s: float = 30.0
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
     hold_s: float = 30.0
+    # ship a prompt's KV while it is still being computed: complete blocks leave after each prefill
+    # chunk and the last ones with the first token (zmq transport, CPU pools, one-choice requests;
+    # anything else, or a stream that fails, migrates whole once the prefill is done)
+    stream_migration: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in ("zmq", "ray"):
@@ -42,10 +47,20 @@ class PrefillWorkerConfig(WorkerConfig):
 
 @dataclass
 class _Flight:
-    """A request whose migration runs on a transfer thread; its blocks are freed when it returns."""
+    """A request whose migration runs on a transfer thread; its blocks are freed when it returns.
+    A streamed one starts while the request is still prefilling (request None until finalized)."""
 
     request: object
     cancelled: bool = False  # aborted or superseded meanwhile: free the blocks, report nothing
+    feed: queue.SimpleQueue | None = None  # streamed: what the transfer thread sends next
+    sent: int = 0                          # streamed: logical blocks handed to the feed so far
+    pinned: list = field(default_factory=list)  # streamed: blocks referenced until the result
+    finalized: bool = False                # streamed: the final state went out
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.feed is not None and not self.finalized:
+            self.feed.put(None)
 
 
 @dataclass
@@ -72,8 +87,8 @@ class PrefillHandler:
                              config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
         self.faults = senders.faults  # what InjectFault arms (the chaos benchmark)
         self._shipped: list[Shipped] = []  # results not posted to a loop (before `attach`)
-        self.shipper = Shipper(senders, engine.kv, self._shipped.append)
-        self.prefills = self.resends = self.hold_expired = 0
+        self.shipper = Shipper(senders, engine.kv, self._shipped.append, gap_s=config.transfer_timeout_s)
+        self.prefills = self.resends = self.hold_expired = self.streamed = self.stream_fallbacks = 0
 
     def attach(self, post) -> None:
         """The worker loop's `send`: a finished migration wakes the loop as a queued command."""
@@ -118,7 +133,7 @@ class PrefillHandler:
         self.held.pop(rid, None)
         self.engine.abort(rid)
         if rid in self.inflight:
-            self.inflight[rid].cancelled = True
+            self.inflight[rid].cancel()
 
     def _submit(self, cmd: Submit, events: list) -> None:
         rid = cmd.request_id
@@ -126,7 +141,7 @@ class PrefillHandler:
         if rid in self.engine.requests or rid in self.engine.prefilled:
             self.engine.abort(rid)  # an earlier attempt of the same request: this one supersedes it
         if rid in self.inflight:
-            self.inflight[rid].cancelled = True
+            self.inflight[rid].cancel()
         try:
             self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid)
         except Exception as e:  # validated already; a race with the pool
@@ -153,10 +168,69 @@ class PrefillHandler:
     def after_step(self, events: list) -> None:
         while self._shipped:  # finished before a loop was attached (a handler driven by hand)
             self._landed(self._shipped.pop(0), events)
+        if self.config.stream_migration and self.config.transport == "zmq" \
+                and self.engine.storage.device.type == "cpu":
+            self._stream_progress()
         for rid in list(self.engine.prefilled):
-            if rid not in self.held:
+            flight = self.inflight.get(rid)
+            if flight is None and rid not in self.held:
                 self._ship(rid)
+            elif flight is not None and flight.feed is not None \
+                    and not (flight.finalized or flight.cancelled):
+                self._finalize(rid, flight)
         self._expire_held(events)
+
+    def _stream_progress(self) -> None:
+        """Start or feed streamed migrations of one-choice requests still prefilling."""
+        B = self.engine.config.block_size
+        for rid, flight in list(self.inflight.items()):  # ended at its first token, or gone
+            if flight.feed is not None and not (flight.finalized or flight.cancelled) \
+                    and rid not in self.engine.requests and rid not in self.engine.prefilled:
+                flight.cancel()
+        for rid, target in self.targets.items():
+            req = self.engine.requests.get(rid)
+            if req is None or req.params.n != 1 or req.is_beam or len(req.seqs) != 1:
+                continue
+            s = req.seqs[0]
+            t = self.engine.kv.tables.get(s.seq_id)
+            flight = self.inflight.get(rid)
+            if t is None or t.swapped or s.output_ids or (flight is not None and flight.feed is None):
+                continue
+            done = s.num_computed // B  # blocks whose K/V is complete
+            if flight is None:
+                if done == 0 or s.num_computed >= len(s.token_ids):
+                    continue
+                flight = self.inflight[rid] = _Flight(None, feed=queue.SimpleQueue())
+                self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, [],
+                                          flight.feed, list(s.token_ids), req.params.to_dict()))
+                self.streamed += 1
+            if not (flight.finalized or flight.cancelled):
+                self._feed_blocks(flight, t, done)
+
+    def _feed_blocks(self, flight: _Flight, table, upto: int) -> None:
+        """Hand logical blocks [sent, upto) to the transfer thread."""
+        new = self._pin(flight, table, upto)
+        if new:
+            flight.feed.put(new)
+
+    def _pin(self, flight: _Flight, table, upto: int) -> list:
+        """(logical, physical) blocks [sent, upto), each referenced until the transfer returns."""
+        new = [(i, table.blocks[i]) for i in range(flight.sent, upto)]
+        for _, b in new:
+            self.engine.kv.allocator.incref(b)
+        flight.pinned += [b for _, b in new]
+        flight.sent = max(flight.sent, upto)
+        return new
+
+    def _finalize(self, rid: str, flight: _Flight) -> None:
+        """The prompt is computed: the last blocks and the decode state close the stream."""
+        req = flight.request = self.engine.prefilled.pop(rid)
+        self.targets.pop(rid, None)
+        s = req.seqs[0]
+        table = self.engine.kv.table(s.seq_id)
+        last = self._pin(flight, table, -(-s.num_computed // self.engine.config.block_size))  # + the partial
+        flight.feed.put((last, DecodeState(list(s.token_ids), req.params.to_dict(), len(s.output_ids))))
+        flight.finalized = True
 
     def _ship(self, rid: str) -> None:
         """Hand a prefilled request to its decode worker's transfer thread; the blocks stay ours."""
@@ -175,8 +249,16 @@ class PrefillHandler:
         """A transfer thread's result, on the loop thread: free the blocks, or hold them."""
         job = done.job
         flight = self.inflight.pop(job.rid)
+        self.engine.kv.allocator.free_many(flight.pinned[::-1])
+        if flight.feed is not None and not flight.finalized and not flight.cancelled:
+            # the stream failed while the prompt was still computing: it migrates whole when done
+            log.warning("%s: streamed migration of %s failed (%s); it migrates whole after its prefill",
+                        self.config.name, job.rid, done.error)
+            self.stream_fallbacks += 1
+            return
         if flight.cancelled or done.error is None:
-            self.engine.free_request(flight.request)  # full blocks stay in the prefix cache
+            if flight.request is not None:
+                self.engine.free_request(flight.request)  # full blocks stay in the prefix cache
             if not flight.cancelled:
                 events.append(Migrated(job.rid, job.decode_worker, job.epoch, done.milliseconds,
                                        transport=self.config.transport, phases=done.phases, **done.totals))
@@ -215,6 +297,7 @@ class PrefillHandler:
     def stats(self) -> dict:
         return {"held_requests": len(self.engine.prefilled) + len(self.inflight),
                 "migrations_in_flight": len(self.inflight), "held_for_resend": len(self.held),
+                "streamed_migrations": self.streamed, "stream_fallbacks": self.stream_fallbacks,
                 "prefills": self.prefills, "resends": self.resends, "hold_expired": self.hold_expired,
                 "prefix_hit_tokens": self.engine.kv.prefix_hit_tokens,
                 "faults_injected": sum(self.faults.injected.values()),
@@ -223,7 +306,7 @@ class PrefillHandler:
     def holdings(self) -> dict[str, int]:
         from runtime.holdings import blocks_by_request
 
-        flying = {rid: f.request for rid, f in self.inflight.items()}
+        flying = {rid: f.request for rid, f in self.inflight.items() if f.request is not None}
         return blocks_by_request(self.engine, {**flying, **self.engine.requests, **self.engine.prefilled})
 
     def close(self) -> None:

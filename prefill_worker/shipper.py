@@ -35,6 +35,11 @@ class ShipJob:
     decode_address: str
     epoch: int
     seqs: list  # (seq_id, transfer id "rid/index", DecodeState)
+    # a streamed migration (one sequence, offered while its prompt is computed): the loop thread
+    # puts lists of (logical, physical) complete blocks, then the final DecodeState (None: cancel)
+    feed: queue.SimpleQueue | None = None
+    token_ids: list = field(default_factory=list)  # the tokens being computed
+    sampling: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -49,8 +54,9 @@ class Shipped:
 
 
 class Shipper:
-    def __init__(self, senders, manager, post):
+    def __init__(self, senders, manager, post, gap_s: float = 30.0):
         self.senders, self.manager, self.post = senders, manager, post
+        self.gap_s = gap_s  # longest wait for a streamed migration's next blocks
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -122,7 +128,33 @@ class Shipper:
             else:
                 self.post(Shipped(item, TransferTimeout(why), 0.0))
 
+    def _stream(self, job: ShipJob) -> Shipped:
+        """A streamed migration: milliseconds is the part after the prefill finished (exposed)."""
+        def items():
+            while True:
+                try:
+                    item = job.feed.get(timeout=self.gap_s)
+                except queue.Empty:
+                    raise TransferTimeout(f"no prefill progress for {self.gap_s:g}s") from None
+                if item is None:
+                    return
+                yield item
+
+        try:
+            sender = self.senders.get(job.decode_worker, job.decode_address)
+            ack = sender.migrate_streamed(self.manager, f"{job.rid}/0", job.epoch, job.token_ids,
+                                          job.sampling, items())
+        except (TransferError, OSError, RuntimeError, ValueError) as e:
+            self.senders.forget_if_broken(job.decode_worker, e)
+            return Shipped(job, e, 0.0)
+        totals = {"payload_bytes": ack.nbytes, "blocks": ack.new_blocks, "reused_blocks": ack.reused_blocks,
+                  "sequences": 1}
+        phases = dict(sender.last_phases)
+        return Shipped(job, None, phases.get("exposed_ms", 0.0), totals, phases)
+
     def _migrate(self, job: ShipJob) -> Shipped:
+        if job.feed is not None:
+            return self._stream(job)
         started = time.perf_counter()
         totals = {"payload_bytes": 0, "blocks": 0, "reused_blocks": 0, "sequences": 0}
         phases: dict[str, float] = {}

@@ -6,7 +6,8 @@ only, exact types, explicit bounds, internal consistency); `transfer.codec` turn
 bytes. Connection: `Hello` -> `HelloReply` (layout fingerprints compared once per connection).
 Per transfer: optional `Query` -> `Held` (dedupe: which prefix blocks the receiver holds), then a
 `Manifest` (with its `FrameDesc`s and `DecodeState`, defined in `transfer.manifest` and
-re-exported here) followed by raw payload chunks, answered by `Ack` or `Nack`.
+re-exported here) followed by raw payload chunks, answered by `Ack` or `Nack`; a streamed
+migration's manifest goes out before the prompt is fully computed and a `Final` closes it.
 """
 
 from __future__ import annotations
@@ -181,8 +182,31 @@ class Nack:
                    get_str(wire, "code", 32, what), get_str(wire, "message", 1000, what))
 
 
+@dataclass(frozen=True)
+class Final:
+    """The last message of a streamed migration: the decode state known only once the prompt's
+    prefill finished (its first generated token included). The offer's manifest carried a
+    provisional state; the receiver commits only after this arrived and every chunk landed."""
+
+    request_id: str
+    epoch: int
+    state: DecodeState
+
+    def to_wire(self) -> dict:
+        return {"v": PROTOCOL_VERSION, "kind": "final", "request_id": self.request_id, "epoch": self.epoch,
+                "state": self.state.to_wire()}
+
+    @classmethod
+    def from_wire(cls, wire, limits: Limits) -> Final:
+        what = "final"
+        require_keys(wire, {"v", "kind", "request_id", "epoch", "state"}, what)
+        state = DecodeState.from_wire(get(wire, "state", what), limits)
+        return cls(get_str(wire, "request_id", limits.max_id_len, what),
+                   get_int(wire, "epoch", 0, MAX_EPOCH, what), state)
+
+
 MESSAGE_KINDS = {"manifest": Manifest, "hello": Hello, "hello_ok": HelloReply, "query": Query, "held": Held,
-                 "ack": Ack, "nack": Nack}
+                 "ack": Ack, "nack": Nack, "final": Final}
 __all__ = ["PROTOCOL_VERSION", "MAX_EPOCH", "FINGERPRINT_KEYS", "CHECKSUM_MODES", "Limits", "LimitExceeded",
            "DecodeState", "FrameDesc", "Manifest", "Hello", "HelloReply", "Query", "Held", "Ack", "Nack",
-           "MESSAGE_KINDS", "validate_fingerprint", "validate_sampling"]
+           "Final", "MESSAGE_KINDS", "validate_fingerprint", "validate_sampling"]

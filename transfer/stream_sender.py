@@ -2,7 +2,8 @@
 `ZmqSender` to a receiver's stream listener, opened with the token from the signed handshake
 and confirmed by the receiver. `send` writes one transfer (header, then the payload chunks
 straight from pool memory or a staging slot, coalesced into `sendmsg` calls), checking between
-chunks whether the receiver already answered on the control channel. Any socket error closes
+chunks whether the receiver already answered on the control channel; a streamed migration uses
+`begin`, `send_chunks` (as blocks complete) and `end` instead. Any socket error closes
 the stream; the next transfer opens a fresh one with the same token.
 """
 
@@ -44,17 +45,36 @@ class DataStream:
     def send(self, token: int, nbytes: int, items, answered) -> None:
         """Write one transfer: items yield ((frame, chunk, slot, checksum), view); stop early once
         `answered()`."""
+        if self.begin(token, nbytes) and self.send_chunks(items, answered):
+            self.end()
+
+    def begin(self, token: int, nbytes: int) -> bool:
+        """The transfer's header (a streamed migration then sends its chunks over time)."""
         self.open()
-        s = self.sock
+        return self._io(lambda s: s.sendall(XFER.pack(XFER_MAGIC, token, nbytes)))
+
+    def send_chunks(self, items, answered) -> bool:
+        """Some of the transfer's chunks; False when it stopped (answered, or the stream broke)."""
+        for key, view in items:
+            head = CHUNK.pack(key[0], key[1], key[3])
+            if not self._io(lambda s, head=head, view=view: send_views(s, (head, view))):
+                return False
+            if answered():
+                return False
+        return True
+
+    def end(self) -> bool:
+        return self._io(lambda s: s.sendall(CHUNK.pack(END, 0, 0)))
+
+    def _io(self, write) -> bool:
+        if self.sock is None:
+            return False
         try:
-            s.sendall(XFER.pack(XFER_MAGIC, token, nbytes))
-            for key, view in items:
-                send_views(s, (CHUNK.pack(key[0], key[1], key[3]), view))
-                if answered():
-                    return
-            s.sendall(CHUNK.pack(END, 0, 0))
+            write(self.sock)
+            return True
         except OSError:
             self.close()  # the receiver's verdict (a nack) follows on the control channel
+            return False
 
     def close(self) -> None:
         if self.sock is not None:

@@ -8,6 +8,7 @@ Manifests and dedupe queries pass `admission` (transfer.admission) before anythi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import queue
@@ -27,7 +28,7 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.importer import ImportResult, ImportSession
-from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
+from transfer.messages import Ack, Final, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.stream_receiver import StreamListener
@@ -42,6 +43,9 @@ class _Peer:
         self.name = ""  # the sender's name from its handshake
         self.session: ImportSession | None = None
         self.landing = None  # the session's payload landing on the data stream (stream_receiver)
+        self.final: Final | None = None  # a streamed migration's closing state (None: not yet / not one)
+        self.awaits_final = False        # streamed migration: commit only after `final` and the payload
+        self.landed = False              # its payload finished landing while `final` was still missing
         self.token = -1
         self.t0 = 0.0
 
@@ -225,14 +229,18 @@ class ZmqReceiver:
             return self._hello(ident, peer, body)
         if kind == b"Q" and len(header) == 1:
             return self._query(ident, peer, body)
-        if kind in (b"M", b"S", b"E") and len(header) == TOKEN.size:
+        if kind in (b"M", b"S", b"O", b"E", b"F") and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
             if kind == b"E":
                 return self._end(ident, peer, token)
+            if kind == b"F":
+                return self._final(ident, peer, token, body)
             if kind == b"M" or self.streams is None:
-                return self._manifest(ident, peer, token, body, streamed=kind == b"S")
+                return self._manifest(ident, peer, token, body, streamed=kind != b"M")
             try:
-                return self._manifest(ident, peer, token, body, streamed=True)
+                self._manifest(ident, peer, token, body, streamed=True)
+                peer.awaits_final = kind == b"O"  # offered before its prompt finished computing
+                return None
             except TransferError:
                 self.streams.refuse(ident, token)  # its payload, already on the way, is not awaited
                 raise
@@ -303,6 +311,7 @@ class ZmqReceiver:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise
         peer.session, peer.token, peer.t0 = session, token, time.perf_counter()
+        peer.final, peer.awaits_final, peer.landed = None, False, False
         if streamed:
             peer.landing = self.streams.expect(ident, token, session)
         return None
@@ -321,8 +330,30 @@ class ZmqReceiver:
                 peer.landing = None
                 if landing.error is not None:
                     return self._fail(ident, peer, landing.error)
+                if peer.awaits_final and peer.final is None:
+                    peer.landed = True  # the closing state is still on its way
+                    return None
                 return self._end(ident, peer, landing.token)
         return None  # its transfer was failed meanwhile
+
+    def _final(self, ident: bytes, peer: _Peer, token: int, body) -> ImportResult | None:
+        """A streamed migration's closing state: commit now if its payload already landed."""
+        s = peer.session
+        if s is None or token != peer.token or not peer.awaits_final or peer.final is not None:
+            self.metrics.add("stray_finals")
+            return None
+        try:
+            final = decode(unseal(body), self.config.limits, Final)
+            m = s.manifest
+            n = m.num_tokens
+            if (final.request_id, final.epoch) != (m.request_id, m.epoch) \
+                    or final.state.token_ids[:n] != m.state.token_ids[:n] or len(final.state.token_ids) < n:
+                raise MalformedMessage("final state does not continue the offered sequence")
+        except TransferError as e:
+            return self._fail(ident, peer, e)
+        peer.final = final
+        s.manifest = dataclasses.replace(m, state=final.state)
+        return self._end(ident, peer, token) if peer.landed else None
 
     def _chunk(self, ident: bytes, peer: _Peer, f: int, c: int, cs: int) -> None:
         s, sock = peer.session, self.sock
@@ -351,7 +382,7 @@ class ZmqReceiver:
 
     def _end(self, ident: bytes, peer: _Peer, token: int) -> ImportResult | None:
         s = peer.session
-        if s is None or token != peer.token:
+        if s is None or token != peer.token or (peer.awaits_final and peer.final is None):
             self.metrics.add("stray_ends")
             return None
         s.timings["recv_ms"] = (time.perf_counter() - peer.t0) * 1e3

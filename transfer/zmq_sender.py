@@ -15,14 +15,21 @@ import zmq
 from transfer.blocks import prefix_hashes_at
 from transfer.checksum import checksum
 from transfer.codec import decode_reply, encode, seal
-from transfer.errors import MalformedMessage, TransferError, TransferTimeout
+from transfer.errors import (
+    HandshakeRequired,
+    MalformedMessage,
+    TransferError,
+    TransferTimeout,
+    TransportClosed,
+)
 from transfer.export import ExportedSequence
-from transfer.messages import Ack, Held, HelloReply, Query
+from transfer.messages import Ack, Final, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
+from transfer.stream_export import StreamedExport
 from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
-from transfer.transport import TransportConfig, make_hello, migrate
+from transfer.transport import RECEIVER_PHASES, TransportConfig, make_hello, migrate
 from transfer.zmq_wire import DATA, TOKEN
 
 
@@ -59,9 +66,9 @@ class ZmqSender:
         self._open()
 
     def _close_stream(self) -> None:
+        """Close the data stream's socket; the next transfer opens a fresh one (same token)."""
         if self.stream is not None:
             self.stream.close()
-            self.stream = None
 
     def close(self) -> None:
         self._close_stream()
@@ -104,6 +111,7 @@ class ZmqSender:
             self.metrics.record_error(e)
             raise
         self._close_stream()
+        self.stream = None
         if reply.data_token and (reply.data_port or reply.data_path):
             at = ("tcp", where, reply.data_port) if want == "tcp" else ("ipc", reply.data_path)
             self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
@@ -167,15 +175,9 @@ class ZmqSender:
 
     def _send_streamed(self, exported: ExportedSequence, token: int, bodies, items, deadline: float) -> Ack:
         """Manifest on the control socket, payload on the data stream, verdict on the control socket."""
-        ack_header, sock, early = TOKEN.pack(b"A", token), self.sock, []
-
-        def answered() -> bool:  # an early nack (the receiver gave up): stop streaming
-            if not early and sock.poll(0):
-                got = self._recv_reply((ack_header,))
-                if got is not None:
-                    early.append(got)
-            return bool(early) or time.monotonic() > deadline
-
+        ack_header, early = TOKEN.pack(b"A", token), []
+        answered = self._answered(ack_header, early, deadline)
+        sock = self.sock
         try:
             self.stream.open()
             for body in bodies:
@@ -191,15 +193,81 @@ class ZmqSender:
             self._close_stream()  # the receiver closed its end: the next transfer opens a fresh stream
             raise
 
-    def _finish(self, exported: ExportedSequence, reply, ack_header: bytes, deadline: float) -> Ack:
+    def _answered(self, ack_header: bytes, early: list, deadline: float):
+        """A check for an early verdict (the receiver gave up): the caller stops streaming."""
+        def answered() -> bool:
+            if not early and self.sock.poll(0):
+                got = self._recv_reply((ack_header,))
+                if got is not None:
+                    early.append(got)
+            return bool(early) or time.monotonic() > deadline
+        return answered
+
+    def _finish(self, exported: ExportedSequence | None, reply, ack_header: bytes, deadline: float) -> Ack:
         if reply is None:
             reply = self._wait((ack_header,), deadline, "ack")
         try:
             ack = _reply_of(self, reply[1], Ack)
         finally:
-            exported.release()  # the receiver answered: it no longer reads our blocks
+            if exported is not None:
+                exported.release()  # the receiver answered: it no longer reads our blocks
         self.metrics.add("transfers")
-        self.metrics.add("bytes_sent", exported.manifest.payload_bytes)
+        self.metrics.add("bytes_sent", ack.nbytes)
+        return ack
+
+    def migrate_streamed(self, manager, request_id: str, epoch: int, token_ids: list[int], sampling: dict,
+                         feed, extra_key: str | None = None, timeout: float | None = None) -> Ack:
+        """A streamed migration (transfer.stream_export): offer the sequence now, send its blocks as
+        `feed` yields them (lists of (logical, physical) blocks whose K/V is complete), and close
+        with the (last blocks, DecodeState) pair it yields last; a feed that ends without one
+        cancels the stream. last_phases: streamed_ms (offer to final), exposed_ms (final to ack),
+        overlap_pct (payload sent before the prefill finished) and the receiver's phases.
+        Needs the data stream (HandshakeRequired otherwise). Raises the receiver's typed error."""
+        plan = self.plan or self.connect(timeout)
+        if self.stream is None:
+            raise HandshakeRequired("a streamed migration needs the receiver's data stream")
+        t0 = time.perf_counter()
+        reuse = self.query(request_id, token_ids, extra_key, timeout)
+        sx = StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
+                            reuse_block_size=plan.dst_block_size if reuse else 0,
+                            chunk_bytes=self.config.chunk_bytes, limits=self.config.limits)
+        m, limit = sx.manifest, timeout or self.config.transfer_timeout_s
+        self._token += 1
+        token, ack_header, early = self._token, TOKEN.pack(b"A", self._token), []
+        answered = self._answered(ack_header, early, float("inf"))
+        self.stream.open()
+        self.sock.send_multipart([TOKEN.pack(b"O", token), seal(encode(m))])
+        ok, state, early_bytes = self.stream.begin(token, m.payload_bytes), None, 0
+        try:
+            for item in feed:
+                last = isinstance(item, tuple)  # (the last blocks, the final state): the prefill is done
+                blocks = item[0] if last else item
+                early_bytes += 0 if last else sx.nbytes(blocks)
+                if not (ok and self.stream.send_chunks(sx.chunks(blocks), answered)):
+                    ok = False  # refused early, or the stream broke: the verdict follows
+                    break
+                if last:
+                    state = item[1]
+                    break
+        except TransferError:  # the feed gave up (no progress): closing the stream aborts the import
+            self._close_stream()
+            raise
+        t1 = time.perf_counter()
+        if ok and state is None:  # cancelled: closing the stream makes the receiver abort
+            self._close_stream()
+            raise TransportClosed("streamed migration cancelled before its final state")
+        if ok and self.stream.end():
+            final = Final(m.request_id, m.epoch, state)
+            self.sock.send_multipart([TOKEN.pack(b"F", token), seal(encode(final))])
+        try:
+            ack = self._finish(None, early[0] if early else None, ack_header, time.monotonic() + limit)
+        except TransferError:
+            self._close_stream()
+            raise
+        t2 = time.perf_counter()
+        self.last_phases = {"streamed_ms": (t1 - t0) * 1e3, "exposed_ms": (t2 - t1) * 1e3,
+                            "overlap_pct": 100.0 * early_bytes / max(1, m.payload_bytes),
+                            **{k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES}}
         return ack
 
     def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
