@@ -9,7 +9,10 @@ max_tokens). `run_load` sends them over one aiohttp session at their arrival tim
 waiting for earlier answers (open loop), streams each answer (server-sent events) and records
 per request, client side: send time, every chunk's arrival time and token count, first-token
 and end time, plus what the server reported in its last chunk (its TTFT and the KV migration's
-ms). Every request has a timeout; a failed one is recorded with its error, never raised.
+ms; for a streamed migration, whose ms is only the part after the prefill finished, also the
+streamed ms and the share of the payload sent before it finished). `run_load(sequential=True)`
+sends one request at a time instead. Every request has a timeout; a failed one is recorded with
+its error, never raised. `bench.serve_client` runs this in a process of its own.
 """
 
 from __future__ import annotations
@@ -138,7 +141,9 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None
     server_ttft_ms: float | None = None
-    migration_ms: float | None = None
+    migration_ms: float | None = None  # streamed: only the exposed part (after the prefill finished)
+    streamed_ms: float | None = None  # streamed migrations: offer to final message (alongside the prefill)
+    overlap_pct: float | None = None  # streamed migrations: % of payload bytes sent before the prefill ended
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -191,6 +196,10 @@ async def _one(session, url: str, model: str, spec: RequestSpec, t0: float, time
     rec.server_ttft_ms = timing.get("ttft_ms")
     mig = (timing.get("backend") or {}).get("migration") or {}
     rec.migration_ms = float(mig["ms"]) if "ms" in mig else None
+    phases = mig.get("phases") or {}
+    if "overlap_pct" in phases:  # a streamed migration
+        rec.overlap_pct = float(phases["overlap_pct"])
+        rec.streamed_ms = float(phases.get("streamed_ms", 0.0))
     if rec.output_tokens != spec.max_tokens:
         rec.error = f"got {rec.output_tokens} tokens, asked for exactly {spec.max_tokens}"
     else:
@@ -199,9 +208,11 @@ async def _one(session, url: str, model: str, spec: RequestSpec, t0: float, time
 
 
 async def run_load(base_url: str, specs: list[RequestSpec], model: str = "", timeout_s: float = 120.0,
-                   progress=None, extra: dict | None = None) -> tuple[list[RequestRecord], float]:
+                   progress=None, extra: dict | None = None,
+                   sequential: bool = False) -> tuple[list[RequestRecord], float]:
     """Send `specs` open loop; returns the records (in spec order) and the run's duration (s, first
-    send to last answer). `progress(record)` is called as each request ends."""
+    send to last answer). `progress(record)` is called as each request ends. sequential: one at a
+    time instead, each sent when the one before it ended (arrival times ignored)."""
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -209,12 +220,15 @@ async def run_load(base_url: str, specs: list[RequestSpec], model: str = "", tim
     async with aiohttp.ClientSession(connector=conn) as session:
         t0 = time.monotonic()
 
-        async def tracked(spec: RequestSpec) -> RequestRecord:
-            rec = await _one(session, url, model, spec, t0, timeout_s, extra or {})
+        async def tracked(spec: RequestSpec, start: float) -> RequestRecord:
+            rec = await _one(session, url, model, spec, start, timeout_s, extra or {})
             if progress is not None:
                 progress(rec)
             return rec
 
-        records = await asyncio.gather(*(tracked(s) for s in specs))
+        if sequential:
+            records = [await tracked(s, time.monotonic() - s.arrival_s) for s in specs]
+        else:
+            records = await asyncio.gather(*(tracked(s, t0) for s in specs))
     ends = [r.end_s for r in records if r.end_s is not None]
     return list(records), (max(ends) if ends else time.monotonic()) - t0

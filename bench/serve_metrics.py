@@ -2,8 +2,10 @@
 TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL (each chunk's gap spread over its tokens),
 e2e latency and their p50/p90/p99, output tokens/s, goodput (requests/s meeting BOTH the TTFT
 and the TPOT SLO, as DistServe defines it) and the server-reported KV migration time as a share
-of client TTFT, plus the same quantities under vLLM `bench serve`'s result-file names. Only
-completed requests enter the latencies; a run with none gives None, never NaN.
+of client TTFT (for a streamed migration that time is only its exposed part, after the prefill
+finished), the streamed migrations' overlap (% of payload sent while the prompt was still
+computing) and exposed ms, plus the same quantities under vLLM `bench serve`'s result-file names.
+Only completed requests enter the latencies; a run with none gives None, never NaN.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
     itl = [x for r in done for x in itl_ms(r)]
     e2e = [e2e_ms(r) for r in done]
     server_ttft, mig = present(done, "server_ttft_ms"), present(done, "migration_ms")
+    streamed = [r for r in done if r.overlap_pct is not None]
     out_tokens = sum(r.output_tokens for r in done)
     dur = max(duration_s, 1e-9)
     good = sum(meets_slo(r, slo) for r in done)
@@ -105,6 +108,11 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
         "slo_attainment": good / len(records) if records else None,
         "migration_ms": percentiles(mig), "migrated": len(mig),
         "migration_share_of_ttft": percentiles([migration_share(r) for r in done]),
+        # streamed migrations (KV shipped while the prompt was still prefilling): how many, the %
+        # of each one's payload sent before its prefill finished, and the ms left after it
+        "streamed_migrations": len(streamed), "overlap_pct": percentiles(present(streamed, "overlap_pct")),
+        "exposed_ms": percentiles(present(streamed, "migration_ms")),
+        "streamed_ms": percentiles(present(streamed, "streamed_ms")),
         # the same quantities under vLLM `bench serve`'s result-file names
         "total_input_tokens": sum(r.prompt_tokens for r in done), "total_output_tokens": out_tokens,
         "request_throughput": len(done) / dur, "output_throughput": out_tokens / dur,

@@ -1,13 +1,25 @@
 """The serving benchmark's report as people read it, from the JSON `bench.serve` writes: one line
-per run (`format_run`), a markdown table of every run (`format_table`) and of the low-load TTFT
-overhead (`format_overhead`), and the figure (`plot`): TTFT (left) and TPOT (right) p50 and p99
-against request rate, one colour per mode (solid p50, dashed p99), on a log scale. Matplotlib
-with the Agg backend (no display needed), imported only when plotting.
+per run (`format_run`), a markdown table of every run (`format_table`: TTFT/TPOT/ITL percentiles,
+goodput, migration's share of TTFT p50, and for streamed migrations the median % of payload sent
+before the prefill finished and the median exposed ms), goodput side by side per rate
+(`format_goodput`), the low-load TTFT overhead (`format_overhead`), and the figure (`plot`): TTFT
+(left) and TPOT (right) p50 and p99 against request rate, one colour per setup (solid p50, dashed
+p99), on a log scale. Matplotlib with the Agg backend (no display needed), imported only when
+plotting. A report from before runs had labels reads as one setup per mode.
 """
 
 from __future__ import annotations
 
-COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
+COLORS = {"disaggregated": "tab:blue", "disaggregated-whole": "tab:green", "colocated": "tab:orange"}
+NAMES = {"disaggregated": "disaggregated, streamed", "disaggregated-whole": "disaggregated, whole"}
+
+
+def run_label(r: dict) -> str:
+    return r.get("label") or r["mode"]
+
+
+def _name(lbl: str) -> str:
+    return NAMES.get(lbl, lbl)
 
 
 def plot(report: dict, path: str) -> None:
@@ -21,14 +33,14 @@ def plot(report: dict, path: str) -> None:
     minor = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    modes = sorted({r["mode"] for r in report["runs"]})
+    labels = sorted({run_label(r) for r in report["runs"]})
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
-        for mode in modes:
-            runs = sorted((r for r in report["runs"] if r["mode"] == mode), key=lambda r: r["rate"])
+        for lbl in labels:
+            runs = sorted((r for r in report["runs"] if run_label(r) == lbl), key=lambda r: r["rate"])
             for pct, style in (("p50", "-"), ("p99", "--")):
                 pts = [(r["rate"], r[key][pct]) for r in runs if r[key][pct] is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=COLORS.get(mode), label=f"{mode} {pct}")
+                    ax.plot(*zip(*pts), style, marker="o", color=COLORS.get(lbl), label=f"{_name(lbl)} {pct}")
         slo = report.get("slo", {}).get(key)
         if slo is not None:
             ax.axhline(slo, color="gray", linestyle=":", linewidth=1, label=f"SLO {slo:g} ms")
@@ -41,8 +53,11 @@ def plot(report: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     cfg = report.get("config", {})
-    fig.suptitle(f"pdserve bench serve: {cfg.get('preset', '')}, tiny model, "
-                 f"{cfg.get('num_requests', '?')} requests per point (solid p50, dashed p99; log scale)")
+    n = cfg.get("num_requests", "?")
+    quick = " (quick: p99 ≈ max)" if cfg.get("p99_note") else ""
+    budget = f", step budget {cfg['step_budget']}" if cfg.get("step_budget") else ""
+    fig.suptitle(f"pdserve bench serve: {cfg.get('preset', '')}, tiny model{budget}, "
+                 f"{n} requests per point{quick} (solid p50, dashed p99; log scale)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -61,30 +76,70 @@ def format_run(r: dict) -> str:
             f"{_p(r, 'ttft_ms', 'p99')} ms | TPOT p50/p99 {_p(r, 'tpot_ms', 'p50')}/"
             f"{_p(r, 'tpot_ms', 'p99')} ms | {r['throughput_tok_s']:.0f} tok/s | goodput "
             f"{r['goodput_req_s']:.2f} req/s | migration/TTFT p50 "
-            f"{_p(r, 'migration_share_of_ttft', 'p50', 3)}")
+            f"{_p(r, 'migration_share_of_ttft', 'p50', 3)}{_streamed(r)}")
+
+
+def _streamed(r: dict) -> str:
+    if not r.get("streamed_migrations"):
+        return ""
+    return (f" | streamed {r['streamed_migrations']}/{r['migrated']}: overlap p50 "
+            f"{_p(r, 'overlap_pct', 'p50', 0)}%, exposed p50 {_p(r, 'exposed_ms', 'p50')} ms")
+
+
+def _get(r: dict, key: str, p: str, nd: int = 1) -> str:
+    return fmt((r.get(key) or {}).get(p), nd)
 
 
 def format_table(report: dict) -> str:
-    head = ("| mode | rate (req/s) | done/failed | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p99 | "
-            "tok/s | goodput (req/s) | migration share of TTFT p50/p99 |")
-    lines = [head, "|" + "---|" * 11]
-    for r in sorted(report["runs"], key=lambda r: (r["rate"], r["mode"])):
+    """Every run; latencies in ms. streamed: the cluster's stream_migration; 'streamed n/m': m
+    requests migrated, n of them streamed; overlap: median % of a streamed migration's payload sent
+    before its prefill finished; exposed: median ms of it left after the prefill."""
+    head = ("| mode | streamed | rate (req/s) | done/failed | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | "
+            "ITL p99 | tok/s | goodput (req/s) | migration share of TTFT p50/p99 | streamed n/m | "
+            "overlap % p50 | exposed ms p50 |")
+    lines = [head, "|" + "---|" * 15]
+    for r in sorted(report["runs"], key=lambda r: (r["rate"], r["mode"], not r.get("streamed", False))):
         share = "migration_share_of_ttft"
-        lines.append(f"| {r['mode']} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
+        yes = "yes" if r.get("streamed") else "no"
+        mig = f"{r.get('streamed_migrations', 0)}/{r['migrated']}" if r["mode"] == "disaggregated" else "-"
+        lines.append(f"| {r['mode']} | {yes} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
                      f"{_p(r, 'ttft_ms', 'p50')} | {_p(r, 'ttft_ms', 'p99')} | {_p(r, 'tpot_ms', 'p50')} | "
                      f"{_p(r, 'tpot_ms', 'p99')} | {_p(r, 'itl_ms', 'p99')} | {r['throughput_tok_s']:.0f} | "
                      f"{r['goodput_req_s']:.2f} | "
-                     f"{_p(r, share, 'p50', 3)} / {_p(r, share, 'p99', 3)} |")
+                     f"{_p(r, share, 'p50', 3)} / {_p(r, share, 'p99', 3)} | {mig} | "
+                     f"{_get(r, 'overlap_pct', 'p50', 0)} | {_get(r, 'exposed_ms', 'p50')} |")
+    return "\n".join(lines)
+
+
+def format_goodput(report: dict) -> str:
+    """Goodput (req/s meeting both SLOs) per rate, one column per setup, and the SLO attainment."""
+    labels = []
+    for r in report["runs"]:
+        if run_label(r) not in labels:
+            labels.append(run_label(r))
+    by = {(r["rate"], run_label(r)): r for r in report["runs"]}
+    lines = ["| rate (req/s) | " + " | ".join(f"{_name(lbl)} goodput (attained)" for lbl in labels) + " |",
+             "|" + "---|" * (len(labels) + 1)]
+    for rate in sorted({r["rate"] for r in report["runs"]}):
+        cells = []
+        for lbl in labels:
+            r = by.get((rate, lbl))
+            att = r.get("slo_attainment") if r else None
+            pct = fmt(None if att is None else 100 * att, 0)
+            cells.append("-" if r is None else f"{r['goodput_req_s']:.2f} ({pct}%)")
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def format_overhead(report: dict) -> str:
-    lines = ["| mode | TTFT p50 max_tokens=1 | TTFT p50 full | added (client) | added (server) | "
-             "migration p50 |", "|" + "---|" * 6]
-    for mode, o in (report.get("overhead") or {}).items():
+    lines = ["| setup | TTFT p50 max_tokens=1 | TTFT p50 full | added (client) | added (server) | "
+             "migration p50 (streamed: exposed) | streamed |", "|" + "---|" * 7]
+    for lbl, o in (report.get("overhead") or {}).items():
         if o:
             only, full = o["prefill_only"], o["full"]
-            lines.append(f"| {mode} | {_p(only, 'ttft_ms', 'p50')} | {_p(full, 'ttft_ms', 'p50')} | "
+            n = full.get("streamed_migrations")
+            st = "-" if n is None else f"{n}/{full['completed']}"
+            lines.append(f"| {_name(lbl)} | {_p(only, 'ttft_ms', 'p50')} | {_p(full, 'ttft_ms', 'p50')} | "
                          f"{fmt(o['added_ttft_ms_p50'])} | {fmt(o['added_server_ttft_ms_p50'])} | "
-                         f"{_p(full, 'migration_ms', 'p50')} |")
+                         f"{_p(full, 'migration_ms', 'p50')} | {st} |")
     return "\n".join(lines)

@@ -1,6 +1,8 @@
-"""`pdserve bench serve`: disaggregated vs colocated serving under the same open-loop Poisson load
-(TTFT, TPOT, ITL, e2e percentiles, throughput, goodput under SLOs, KV migration share of TTFT,
-and the max_tokens=1 overhead measurement); writes JSON and a plot."""
+"""`pdserve bench serve`: disaggregated (KV migration streamed during the prefill, and whole after
+it, both in one invocation unless --streamed/--no-streamed picks one) vs colocated serving under
+the same open-loop Poisson load, from a load client in its own process (TTFT, TPOT, ITL, e2e
+percentiles, throughput, goodput under SLOs, KV migration share of TTFT, streamed overlap, and the
+max_tokens=1 overhead measurement); writes JSON and a plot."""
 
 from __future__ import annotations
 
@@ -17,13 +19,21 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--quick", action="store_true", help="3 rates x 40 requests per mode (~3 min on 2 cores)")
+    import argparse
+
+    p.add_argument("--quick", action="store_true",
+                   help="3 rates x 40 requests per setup (p99 then close to the max; the full run sends 200)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot TTFT and TPOT p50/p99 against rate")
     p.add_argument("--rates", type=_floats, help="comma-separated request rates in req/s (e.g. 1,2,4)")
     p.add_argument("--num-requests", type=int, help="requests per rate and mode")
     p.add_argument("--preset", choices=PRESETS, help="length distributions (default long-prompt-...)")
     p.add_argument("--modes", help="comma-separated: disaggregated,colocated (default both)")
+    p.add_argument("--streamed", action=argparse.BooleanOptionalAction, default=None,
+                   help="disaggregated with KV migration streamed during the prefill only (--streamed) or "
+                        "whole after it only (--no-streamed); default: both, each its own labelled run")
+    p.add_argument("--step-budget", type=int, metavar="TOKENS",
+                   help="tokens per engine step in every mode (default 512: long prompts prefill in chunks)")
     p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
     p.add_argument("--url", help="target a running coordinator instead of bringing clusters up")
     p.add_argument("--mode", choices=("disaggregated", "colocated"), help="the --url coordinator's mode")
@@ -38,7 +48,7 @@ def run(args) -> int:
     from dataclasses import replace
 
     from bench.serve import QUICK, ServeBenchConfig, run_bench
-    from bench.serve_report import format_overhead, format_table
+    from bench.serve_report import format_goodput, format_overhead, format_table
 
     cfg = QUICK if args.quick else ServeBenchConfig()
     over: dict = {}
@@ -52,6 +62,10 @@ def run(args) -> int:
         over["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if args.transport:
         over["transport"] = args.transport
+    if args.streamed is not None:
+        over["streamed"] = (args.streamed,)
+    if args.step_budget:
+        over["step_budget"] = args.step_budget
     if args.url:
         over["url"] = args.url
         if not args.mode:
@@ -72,11 +86,20 @@ def run(args) -> int:
     except ValueError as e:
         print(f"bad arguments: {e}")
         return 2
-    where = cfg.url or f"local Ray, modes {', '.join(cfg.modes)}"
+    from bench.serve import label, p99_note, setups
+
+    where = cfg.url or (f"local Ray, setups {', '.join(label(m, s) for m, s in setups(cfg))}; "
+                        f"step budget {cfg.step_budget} tokens in every engine")
     print(f"bench serve: {where}; preset {cfg.preset}; rates {list(cfg.rates)} req/s; {cfg.num_requests} "
-          f"requests each; SLO TTFT {cfg.slo.ttft_ms:g} ms, TPOT {cfg.slo.tpot_ms:g} ms", flush=True)
+          f"requests each; SLO TTFT {cfg.slo.ttft_ms:g} ms, TPOT {cfg.slo.tpot_ms:g} ms; load client in "
+          f"its own process", flush=True)
     report = run_bench(cfg, log=lambda s: print(s, flush=True))
     print(format_table(report))
+    print("\nGoodput (req/s meeting both SLOs; % of requests) per rate:")
+    print(format_goodput(report))
+    note = p99_note(cfg.num_requests)
+    if note:
+        print(f"\n{'quick: ' if cfg.quick else 'NOTE: '}{note}")
     if any(report["overhead"].values()):
         print("\nTTFT overhead at low load (requests one at a time; ms):")
         print(format_overhead(report))

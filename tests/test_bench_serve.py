@@ -1,12 +1,15 @@
 """The serving benchmark: load generation (seeded Poisson arrivals, length distributions,
-presets), the metrics on hand-made request records against hand-computed values, and one
+presets), the metrics on hand-made request records against hand-computed values, one
 end-to-end `pdserve bench serve --url` run against an in-process HTTP server over a
-LocalEngineBackend with the tiny model (no Ray)."""
+LocalEngineBackend with the tiny model (no Ray), and the setup plan (disaggregated streamed and
+whole, colocated) run against the same server standing in for the clusters. The load client runs
+in a child process in every end-to-end run; the report records its pid."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import numpy as np
@@ -29,7 +32,8 @@ from bench.loadgen import (
 
 RUN_KEYS = {"mode", "rate", "completed", "failed", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
             "throughput_tok_s",
-            "goodput_req_s", "migration_share_of_ttft"}
+            "goodput_req_s", "migration_share_of_ttft", "streamed", "label", "client_pid",
+            "streamed_migrations", "overlap_pct", "exposed_ms", "streamed_ms"}
 VLLM_KEYS = {"mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
              "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
              "request_throughput", "output_throughput", "completed", "duration"}
@@ -100,6 +104,7 @@ def _rec(i, send, chunks, ok=True, mig=None, max_tokens=None):
 
 def _records():
     a = _rec(0, 0.0, [(0.1, 1), (0.12, 1), (0.14, 1), (0.16, 1)], mig=10.0)  # ttft 100, tpot 20
+    a.overlap_pct, a.streamed_ms = 80.0, 60.0  # a streamed migration: 10 ms exposed after 60 streamed
     b = _rec(1, 1.0, [(1.3, 1), (1.4, 2)], mig=30.0)  # ttft 300, e2e 400, 3 tokens: tpot 50, itl 50, 50
     c = _rec(2, 1.5, [], ok=False, max_tokens=4)
     d = _rec(3, 2.0, [(2.05, 1)])  # one token: ttft 50, no tpot
@@ -130,9 +135,12 @@ def test_summarize_against_hand_computed_values():
     assert s["goodput_req_s"] == pytest.approx(2 / 4) == s["request_goodput"]
     assert s["request_throughput"] == pytest.approx(3 / 4) and s["duration"] == 4.0
     assert s["migration_share_of_ttft"]["p50"] == pytest.approx(0.1) and s["migrated"] == 2
-    assert RUN_KEYS - {"mode", "rate"} <= set(s) and VLLM_KEYS <= set(s)
+    assert s["streamed_migrations"] == 1 and s["overlap_pct"]["p50"] == pytest.approx(80)
+    assert s["exposed_ms"]["p99"] == pytest.approx(10) and s["streamed_ms"]["p50"] == pytest.approx(60)
+    assert RUN_KEYS - {"mode", "rate", "streamed", "label", "client_pid"} <= set(s) and VLLM_KEYS <= set(s)
     empty = sm.summarize([_records()[2]], 1.0, sm.SLO())
     assert empty["completed"] == 0 and empty["ttft_ms"] == {"p50": None, "p90": None, "p99": None}
+    assert empty["streamed_migrations"] == 0 and empty["overlap_pct"]["p50"] is None
     json.dumps(empty, allow_nan=False)
 
 
@@ -189,6 +197,8 @@ def test_bench_serve_cli_against_a_running_server(server_url, tmp_path):
         assert all(set(r[k]) == {"p50", "p90", "p99"} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
         assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
         assert r["migration_share_of_ttft"]["p99"] == 0.0  # one in-process engine: nothing migrates
+        assert r["streamed"] is False and r["label"] == "colocated" and r["streamed_migrations"] == 0
+        assert r["client_pid"] != os.getpid()  # the load client ran in a process of its own
     assert rep["runs"][0]["total_output_tokens"] == sum(s.max_tokens for s in specs)
     reqs = rep["runs"][0]["requests"]  # --detailed: the client records, in spec order
     want = [s.max_tokens for s in specs]
@@ -197,3 +207,65 @@ def test_bench_serve_cli_against_a_running_server(server_url, tmp_path):
     o = rep["overhead"]["colocated"]
     assert o["prefill_only"]["completed"] == o["full"]["completed"] == bs.QUICK.overhead_requests
     assert png.stat().st_size > 10_000
+    assert rep["config"]["quick"] and "p99" in rep["config"]["p99_note"]  # 6 requests: p99 is about the max
+    assert rep["config"]["client"] == "subprocess" and rep["config"]["bench_pid"] == os.getpid()
+
+
+def test_streamed_and_whole_disaggregated_runs_are_labelled_in_one_invocation(server_url, monkeypatch):
+    """The plan without Ray: the in-process server stands in for each cluster, which records the
+    ClusterConfig it was given (stream_migration on, then off, then the colocated one; the same
+    step budget in all three)."""
+    import deploy.launch as dl
+    from bench.serve_report import format_goodput, format_overhead, format_table
+
+    port = int(server_url.rsplit(":", 1)[1])
+    configs = []
+
+    class FakeServer:
+        def __init__(self, config):
+            configs.append(config)
+
+        def start(self, timeout=None):
+            return port
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(dl, "ClusterServer", FakeServer)
+    monkeypatch.setattr(dl, "start_ray", lambda config: False)
+    monkeypatch.setattr(dl, "stop_ray", lambda started: None)
+    cfg = bs.ServeBenchConfig(rates=(20.0,), num_requests=3, preset="short-prompt-long-output",
+                              overhead_requests=1, warmup_requests=0, step_budget=256)
+    assert cfg.streamed == (True, False) and bs.ServeBenchConfig().num_requests >= 200
+    logs = []
+    rep = bs.run_bench(cfg, log=logs.append)
+    want = [(False, True), (False, False), (True, False)]  # (colocated, stream_migration)
+    assert [(c.colocated > 0, c.stream_migration) for c in configs] == want
+    assert all(c.engine == {"scheduler": {"max_num_batched_tokens": 256}} for c in configs)
+    runs = rep["runs"]
+    assert [(r["mode"], r["streamed"], r["label"]) for r in runs] == [
+        ("disaggregated", True, "disaggregated"), ("disaggregated", False, "disaggregated-whole"),
+        ("colocated", False, "colocated")]
+    assert all(r["completed"] == 3 and r["client_pid"] != os.getpid() for r in runs)
+    assert len({r["client_pid"] for r in runs}) == 3  # a fresh client process per run
+    assert set(rep["overhead"]) == {"disaggregated", "disaggregated-whole", "colocated"}
+    assert rep["overhead"]["disaggregated"]["streamed"] and not rep["overhead"]["colocated"]["streamed"]
+    assert rep["config"]["streamed"] == [True, False] and rep["config"]["step_budget"] == 256
+    # the stand-in migrates nothing: the bench says so rather than reporting a streamed run silently
+    assert any("no migration streamed" in line for line in logs)
+    table = format_table(rep)
+    assert table.count("| disaggregated | yes |") == 1 and table.count("| disaggregated | no |") == 1
+    good = format_goodput(rep).splitlines()
+    assert "disaggregated, streamed" in good[0] and "disaggregated, whole" in good[0] and len(good) == 3
+    assert "disaggregated, whole" in format_overhead(rep)
+    json.dumps(rep, allow_nan=False)
+
+
+def test_quick_says_p99_is_about_the_max_and_the_full_run_does_not():
+    assert bs.p99_note(bs.QUICK.num_requests) and "≈ max" in bs.p99_note(40)
+    assert bs.p99_note(200) is None and bs.p99_note(101) is None and bs.p99_note(100)
+    a = np.arange(100.0)
+    assert np.percentile(a, 99) > a[-2] and np.percentile(np.arange(200.0), 99) < 198  # why 101
+    with pytest.raises(ValueError):
+        bs.ServeBenchConfig(streamed=())
+    assert bs.setups(bs.ServeBenchConfig(transport="ray")) == [("disaggregated", False), ("colocated", False)]
