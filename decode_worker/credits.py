@@ -74,6 +74,10 @@ class Credits:
                     del self._reserved[rid]
             self._expire()
 
+    def reservations(self) -> int:
+        with self._lock:
+            return len(self._reserved)
+
     def reserved_blocks(self) -> int:
         with self._lock:
             return self._blocks()

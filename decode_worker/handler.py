@@ -89,6 +89,14 @@ class DecodeHandler:
             from transfer.ray_transport import RayReceiverEndpoint
             self.receiver = RayReceiverEndpoint(engine.kv, transport, admission=self.credits)
             self.address = f"ray://{config.name}"
+        # NOTE: the running requests' growth must not eat the room promised to coming migrations (an
+        # import that found the pool full would fail its request): the scheduler preempts instead
+        engine.kv.held_back = self._held_back
+
+    def _held_back(self) -> int:
+        """Credit not yet turned into blocks: granted, minus what imports still landing allocated."""
+        landing = self.receiver.in_flight() if self.config.transport == "zmq" else {}
+        return max(0, self.credits.reserved_blocks() - sum(len(b) for b in landing.values()))
 
     # ---- the calling thread -----------------------------------------------------------------------
     def accept(self, cmd):
@@ -117,7 +125,10 @@ class DecodeHandler:
                 self._imported(result, events)
                 result = self.receiver.poll(self.config.busy_poll_s)
         except TransferError as e:  # already nacked, counted and released by the receiver
-            log.warning("%s: import failed: %s", self.config.name, e)
+            usage = self.engine.kv.usage()
+            log.warning("%s: import failed: %s (pool: %d free, %d cached; %d held back for %d reservations)",
+                        self.config.name, e, usage["free_blocks"], usage["cached_blocks"],
+                        self.engine.kv.held_back(), self.credits.reservations())
 
     def handle(self, cmd, events: list):
         if isinstance(cmd, Abort):
@@ -167,7 +178,8 @@ class DecodeHandler:
         self.engine.add_imported(result.request_id, seq.prompt_ids, params, [seq])
         self.sequences[result.request_id] = (rid, seq)
         running.add(result.request_id)
-        self.imported.append((rid, result.epoch))  # its credit is settled with the pool's next room
+        self.imported.append((rid, result.epoch))
+        self._settle()  # its credit became blocks: the room held back for imports shrinks at once
         events.append(Imported(rid, int(index), result.epoch, len(result.table.blocks), result.nbytes,
                                float(sum(result.timings.values()))))
 
@@ -184,6 +196,10 @@ class DecodeHandler:
                 self.expected.get(rid, (0, set()))[1].discard(o.request_id)
 
     def after_step(self, events: list) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        """The pool's room and the imports since the last settle, to the credits together."""
         usage = self.engine.kv.usage()
         self.credits.settle(usage["free_blocks"] + usage["cached_blocks"], self.imported)
         self.imported = []

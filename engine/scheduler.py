@@ -122,10 +122,10 @@ class Scheduler:
                     elif table.num_computed < table.num_tokens:
                         pending = True
             need = sum(self.kv.blocks_needed_to_append(s.seq_id, 1) for s in grow)
-            while need > self.kv.allocator.num_available and self.running[-1] is not req:
+            while need > self.kv.available() and self.running[-1] is not req:
                 self._preempt(self.running.pop())
                 preempted = True
-            if need > self.kv.allocator.num_available:
+            if need > self.kv.available():
                 self.running.pop(i)
                 self._preempt(req)
                 preempted = True
@@ -190,7 +190,7 @@ class Scheduler:
             ids = [s.seq_id for s in req.live_seqs]
             need = self.kv.swap_in_blocks(ids)
             reserve = sum(len(r.live_seqs) for r in self.running) + len(req.live_seqs)
-            if need + reserve > self.kv.allocator.num_available:
+            if need + reserve > self.kv.available():
                 return
             if not self.kv.swap_in_group(ids):
                 raise RuntimeError("swap-in failed after the availability check")

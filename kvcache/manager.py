@@ -13,6 +13,7 @@ shared tail block. Shortage returns None/False and changes nothing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvcache import integrity, swap
 from kvcache.allocator import ROOT_HASH, BlockAllocator, hash_block
@@ -37,6 +38,9 @@ class KVCacheManager:
             raise ValueError(f"host storage layout {host_storage.layout} differs from the device "
                              f"storage layout {storage.layout}; swapped blocks would not fit")
         self.allocator = allocator
+        # blocks promised to coming imports but not allocated yet (the decode role sets it): the
+        # scheduler's growth and admission must leave them
+        self.held_back: Callable[[], int] = lambda: 0
         self.block_size = block_size
         self.storage = storage
         self.enable_prefix_caching = enable_prefix_caching
@@ -54,6 +58,11 @@ class KVCacheManager:
             return self.tables[seq_id]
         except KeyError:
             raise ValueError(f"unknown sequence {seq_id!r}") from None
+
+    def available(self) -> int:
+        """Blocks the scheduler may give to running or admitted sequences: what `allocate` can hand
+        out, minus those promised to imports (`held_back`; imports allocate directly)."""
+        return self.allocator.num_available - self.held_back()
 
     def prefix_hashes(self, token_ids: list[int], extra_key: str | None = None) -> list[int]:
         """Chained hashes of every full block of `token_ids`."""
@@ -112,7 +121,7 @@ class KVCacheManager:
         hits = self.match_prefix(token_ids, extra_key)
         revived = sum(1 for b in hits if self.allocator.ref_count(b) == 0)
         need = blocks_for(len(token_ids), self.block_size) - len(hits)
-        if need + revived > self.allocator.num_available:
+        if need + revived > self.available():
             return None
         hashes = self.prefix_hashes(token_ids[:len(hits) * self.block_size], extra_key)
         blocks = [self.allocator.acquire_cached(h) for h in hashes]
@@ -155,7 +164,7 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in before appending")
         if not token_ids:  # nothing to place: no copy-on-write either
             return True
-        if self.blocks_needed_to_append(seq_id, len(token_ids)) > self.allocator.num_available:
+        if self.blocks_needed_to_append(seq_id, len(token_ids)) > self.available():
             return False
         self._cow_tail(table)
         new = blocks_for(table.num_tokens + len(token_ids), self.block_size) - len(table.blocks)
