@@ -39,6 +39,9 @@ class Credits:
         self._reserved: dict[str, Reservation] = {}
         self._room = room_blocks  # free + cached blocks as of the last settle
         self.refused = 0
+        # the owner's way to keep a credit's promise when the pool is short anyway (preempting running
+        # requests; the decode handler sets it), called by a receiver on the owner's thread
+        self.make_room = lambda blocks: None
 
     def reserve(self, rid: str, epoch: int, num_tokens: int, n: int, sender: str) -> bool:
         """Grant credit if the room of the last settle minus the credit already granted holds it; a

@@ -92,6 +92,7 @@ class DecodeHandler:
         # NOTE: the running requests' growth must not eat the room promised to coming migrations (an
         # import that found the pool full would fail its request): the scheduler preempts instead
         engine.kv.held_back = self._held_back
+        self.credits.make_room = engine.scheduler.make_room  # the promise is kept even if growth raced it
 
     def _held_back(self) -> int:
         """Credit not yet turned into blocks: granted, minus what imports still landing allocated."""

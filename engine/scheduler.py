@@ -166,6 +166,15 @@ class Scheduler:
         plan.prefill += [(req, s, n) for s, n in zip(seqs, want)]
         return budget - sum(want)
 
+    def make_room(self, blocks: int) -> int:
+        """Preempt running requests, latest admitted first, until `blocks` are available (a decode
+        worker keeping the room it promised a migration); returns how many were preempted."""
+        n = 0
+        while self.kv.allocator.num_available < blocks and self.running:
+            self._preempt(self.running.pop())
+            n += 1
+        return n
+
     def _preempt(self, req: Request) -> None:
         req.num_preemptions += 1
         self.preemptions += 1

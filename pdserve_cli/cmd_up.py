@@ -30,7 +30,9 @@ FILE_ONLY = ("engine", "actor_cpus", "prefill_resources", "decode_resources", "h
              "call_timeout_s", "event_timeout_s", "start_timeout_s", "name", "decode_num_blocks",
              "reserve_wait_s", "decode_model", "report_s", "ledger_grace_s", "monitor_s", "bind",
              "event_port", "kv_port_min", "kv_port_max", "gpus_per_worker", "restart_backoff_s",
-             "max_restarts", "restart_window_s")
+             "max_restarts", "restart_window_s", "max_waiting", "stream_migration")
+# Keys of the HTTP server's config (coordinator.http.HTTPConfig) a config file may set.
+HTTP_KEYS = ("max_active",)
 
 
 def add_arguments(p) -> None:
@@ -58,6 +60,10 @@ def add_arguments(p) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$PDSERVE_API_KEY; none: no auth)")
+    p.add_argument("--max-active", type=int, help="completion requests in flight before new ones get 429 "
+                   "with Retry-After (default 256)")
+    p.add_argument("--max-waiting", type=int, help="requests waiting for decode room before new ones get "
+                   "429 (default 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="the engines' device (default: the config's "
                    "engine.device, else cpu); cuda workers each ask Ray for gpus_per_worker GPUs")
 
@@ -76,13 +82,16 @@ def _settings(args) -> tuple[argparse.Namespace, dict]:
         for k, v in data.items():
             if k in values:
                 values[k] = v
-            elif k in FILE_ONLY:
+            elif k in FILE_ONLY or k in HTTP_KEYS:
                 extras[k] = v
             else:
                 raise ValueError(f"{args.config}: unknown setting {k!r}")
     for k in DEFAULTS:
         if getattr(args, k, None) is not None:
             values[k] = getattr(args, k)
+    for k in ("max_active", "max_waiting"):  # flags that override the file's extras
+        if getattr(args, k, None) is not None:
+            extras[k] = getattr(args, k)
     return argparse.Namespace(**values), extras
 
 
@@ -104,6 +113,7 @@ def run(args) -> int:
     try:
         device, api_key = getattr(args, "device", None), getattr(args, "api_key", None)
         args, extras = _settings(args)
+        http_extras = {k: extras.pop(k) for k in HTTP_KEYS if k in extras}
         if device:  # the flag wins over the config file's engine.device
             extras["engine"] = {**extras.get("engine", {}), "device": device}
     except (OSError, ValueError) as e:
@@ -137,7 +147,7 @@ def run(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         try:
-            http = HTTPConfig(host=args.host, port=args.port, api_key=api_key)
+            http = HTTPConfig(host=args.host, port=args.port, api_key=api_key, **http_extras)
             await serve_cluster(cfg, args.host, args.port, ready=ready, http_config=http)
         except asyncio.CancelledError:
             pass

@@ -3,8 +3,8 @@
 wrong one) gets 401 while /health needs none; 200 requests released together from a barrier each
 end with a complete completion (200) or a 429 with Retry-After, none later than a bound, while
 /health, probed every 100 ms, answers 200 within 5 s every time; the cluster is at rest afterwards
-and a fresh request succeeds. A second burst of 300, beyond the documented max_active of 256 (the
-limit `pdserve up` serves with), must turn the excess away with 429 + Retry-After at once.
+and a fresh request succeeds. The server runs with `--max-active 64`, so a second burst of 200
+goes beyond it and must turn the excess away with 429 + Retry-After at once.
 
 The bounds are correctness properties of bounded admission (nothing waits without limit), not
 speed targets: a run here takes a few seconds per burst. The flood code is bench.flood's, the
@@ -34,7 +34,8 @@ KEY = "K"
 
 @pytest.fixture(scope="module")
 def up():
-    server = Up(["--model", "tiny", "--prefill", "1", "--decode", "1", "--api-key", KEY, "--port", "0"])
+    server = Up(["--model", "tiny", "--prefill", "1", "--decode", "1", "--api-key", KEY, "--port", "0",
+                 "--max-active", "64"])
     try:
         assert wait_healthy(server.url), server.output
         yield server
@@ -74,8 +75,8 @@ def test_200_simultaneous_requests_end_200_or_429_within_bounds_and_health_stays
 
 
 def test_beyond_max_active_the_excess_gets_429_with_retry_after_at_once(up):
-    """300 > max_active (256, pdserve up's default): the excess is refused, not queued."""
-    cfg = FloodConfig(requests=300, max_tokens=64, bound_s=120.0, health_bound_s=5.0)
+    """200 > max_active (64, set with `pdserve up --max-active`): the excess is refused, not queued."""
+    cfg = FloodConfig(requests=200, max_tokens=64, bound_s=120.0, health_bound_s=5.0)
     s = summarize(run_flood(up.url, KEY, cfg))
     assert s["violations"] == [], "\n".join(s["violations"][:20])
     assert s["counts"].get("200", 0) >= 1 and s["counts"].get("429", 0) >= 1, s["counts"]

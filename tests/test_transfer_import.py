@@ -296,3 +296,25 @@ def test_fuzz_import_only_typed_errors_and_no_leak(mutations, frame_op, pos):
     else:
         dst.free(res.seq_id)
     dst.check_integrity()
+
+
+def test_a_short_pool_asks_its_owner_for_room_once_then_imports():
+    """An admitted import that finds the pool short calls `make_room` (a decode worker preempts
+    running requests to keep the room it promised) and then lands; without it, PoolFull."""
+    gen = torch.Generator().manual_seed(9)
+    src, dst = pool(), pool(n=16)
+    fill_random_sequence(src, "a", 100, gen)  # 7 blocks
+    fill_random_sequence(dst, "running", 150, gen)  # 10 of 16 blocks
+    ex = export_sequence(src, "a", "r", 1)
+    with pytest.raises(E.PoolFull):
+        import_sequence(dst, ex.manifest, ex.frames)
+    asked = []
+
+    def make_room(blocks):
+        asked.append(blocks)
+        dst.free("running")  # what the decode worker's scheduler does by preempting
+
+    res = import_sequence(dst, ex.manifest, ex.frames, make_room=make_room)
+    assert asked == [8] and res.new_blocks == 7  # 7 blocks + 1 of growth wanted
+    assert torch.equal(kv(dst, "r"), kv(src, "a"))
+    ex.release()

@@ -6,6 +6,8 @@ with two methods, called on the receiver's thread before anything is allocated o
 
   admit_transfer(request_id, epoch, peer) -> bool   a manifest for (transfer id, epoch) from peer
   admit_query(request_id, peer) -> bool             a dedupe query for transfer id from peer
+  make_room(blocks) -> None                         an admitted transfer found the pool short: free
+                                                    room for it if the owner can (its thread)
 
 `peer` is the name the sender gave in its handshake. A refusal is answered with `NotAdmitted`,
 whose nack carries no detail. `OPEN` admits everything: for benchmarks and tests that drive a
@@ -27,6 +29,9 @@ class OpenAdmission:
 
     def admit_query(self, request_id: str, peer: str) -> bool:
         return True
+
+    def make_room(self, blocks: int) -> None:
+        return None
 
 
 OPEN = OpenAdmission()

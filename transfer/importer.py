@@ -24,7 +24,14 @@ from kvcache.table import BlockTable, blocks_for
 from transfer.checksum import checksum_parts
 from transfer.codec import DEFAULT_LIMITS, decode_manifest
 from transfer.epochs import EpochGuard
-from transfer.errors import ChecksumError, FrameCountError, FrameSizeError, SequenceExists, TransferError
+from transfer.errors import (
+    ChecksumError,
+    FrameCountError,
+    FrameSizeError,
+    PoolFull,
+    SequenceExists,
+    TransferError,
+)
 from transfer.import_checks import check_manifest, check_reuse
 from transfer.import_landing import pool_segments, reblock_staged, slot_segments
 from transfer.messages import DecodeState, Manifest
@@ -54,8 +61,9 @@ class ImportSession:
 
     def __init__(self, manager: KVCacheManager, manifest: Manifest, plan: CompatPlan | None = None, *,
                  seq_id=None, epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
-                 stage: bool = False):
+                 stage: bool = False, make_room=None):
         t0 = time.perf_counter()
+        self.make_room = make_room  # admission.make_room: asked once for room when the pool is short
         self.manager, self.manifest, self.metrics = manager, manifest, metrics or DEFAULT_METRICS
         self.epochs, self.seq_id = epochs, manifest.request_id if seq_id is None else seq_id
         self._allocated: list[int] = []
@@ -90,7 +98,13 @@ class ImportSession:
 
     def _reserve(self) -> None:
         manifest, allocator = self.manifest, self.manager.allocator
-        reuse_hashes, need = check_reuse(allocator, manifest, self.checked)
+        try:
+            reuse_hashes, need = check_reuse(allocator, manifest, self.checked)
+        except PoolFull:
+            if self.make_room is None:
+                raise
+            self.make_room(blocks_for(manifest.num_tokens, self.plan.dst_block_size) + 1)
+            reuse_hashes, need = check_reuse(allocator, manifest, self.checked)  # PoolFull if still short
         # NOTE: each list is stored as soon as it is taken: `abort` releases exactly these two.
         self._acquired = [allocator.acquire_cached(h) for h in reuse_hashes]  # type: ignore[misc]
         self._allocated = allocator.allocate_many(need) or []
@@ -211,7 +225,7 @@ class ImportSession:
 
 def import_sequence(manager: KVCacheManager, manifest, frames, plan: CompatPlan | None = None, *, seq_id=None,
                     epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
-                    limits: Limits = DEFAULT_LIMITS, stage: bool = False) -> ImportResult:
+                    limits: Limits = DEFAULT_LIMITS, stage: bool = False, make_room=None) -> ImportResult:
     """Import from a manifest (typed or msgpack bytes) and a list of frame buffers, in process.
 
     Raises a TransferError (counted in `metrics`) and leaves the pool unchanged on any failure.
@@ -223,7 +237,7 @@ def import_sequence(manager: KVCacheManager, manifest, frames, plan: CompatPlan 
         metrics.record_error(e)
         raise
     session = ImportSession(manager, manifest, plan, seq_id=seq_id, epochs=epochs, metrics=metrics,
-                            stage=stage)
+                            stage=stage, make_room=make_room)
     chunk_bytes = manifest.chunk_bytes
     try:
         if len(frames) != len(manifest.frames):

@@ -306,7 +306,7 @@ class ZmqReceiver:
             return self._refuse(ident, header, MalformedMessage("no data stream here"))
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
-                                    stage=self.stage)
+                                    stage=self.stage, make_room=self.admission.make_room)
         except TransferError as e:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise
