@@ -475,8 +475,11 @@ class Fuzzer:
             if header[:1] == b"A" and len(header) == TOKEN.size:
                 t = TOKEN.unpack(header)[1]
                 if t not in opened and (case.wait_token is None or t != case.wait_token):
-                    fam = lane.owner.get(t, "unknown")
-                    self.by[fam]["refused_by_code"][f"late:{code}"] += 1
+                    fam = lane.owner.get(t)
+                    if fam is None:  # a token no case of this connection opened (a damaged header's)
+                        self.counts[f"late_unattributed:{code}"] += 1
+                    else:
+                        self.by[fam]["refused_by_code"][f"late:{code}"] += 1
                     continue
             codes.append(code)
         return codes
@@ -671,6 +674,8 @@ class Fuzzer:
             "by_mutation": {k: {"cases": v["cases"],
                                 "refused_by_code": dict(sorted(v["refused_by_code"].items())),
                                 "ops": dict(sorted(v["ops"].items()))} for k, v in sorted(self.by.items())},
+            "late_unattributed": {k.split(":", 1)[1]: v for k, v in sorted(self.counts.items())
+                                  if k.startswith("late_unattributed:")},
             "receiver_errors": dict(sorted(self.rx_errors.items())),
             "receiver_counters": dict(sorted(getattr(self, "rx_counters", {}).items())),
             "templates": [t.name for t in self.templates],
