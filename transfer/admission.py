@@ -6,8 +6,8 @@ with two methods, called on the receiver's thread before anything is allocated o
 
   admit_transfer(request_id, epoch, peer) -> bool   a manifest for (transfer id, epoch) from peer
   admit_query(request_id, peer) -> bool             a dedupe query for transfer id from peer
-  make_room(blocks) -> None                         an admitted transfer found the pool short: free
-                                                    room for it if the owner can (its thread)
+  make_room(blocks) -> None                         optional: an admitted transfer found the pool
+                                                    short: free room for it if the owner can
 
 `peer` is the name the sender gave in its handshake. A refusal is answered with `NotAdmitted`,
 whose nack carries no detail. `OPEN` admits everything: for benchmarks and tests that drive a

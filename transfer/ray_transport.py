@@ -100,8 +100,9 @@ class RayReceiverEndpoint:
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer):
             return self._nack(refused()), None  # NOTE: before any block is allocated; no detail echoed
         try:
+            make_room = getattr(self.admission, "make_room", None)
             res = import_sequence(self.manager, m, list(frames), plan, epochs=self.epochs,
-                                  metrics=self.metrics, stage=self.stage, make_room=self.admission.make_room)
+                                  metrics=self.metrics, stage=self.stage, make_room=make_room)
         except TransferError as e:
             return self._nack(e, m.request_id, m.epoch, counted=True), None
         res.timings["receive_ms"] = (time.perf_counter() - t0) * 1e3

@@ -38,16 +38,32 @@ from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
 
 
 class _Peer:
-    def __init__(self) -> None:
+    """One sender connection's state; those with a transfer in progress are also in `active` (so
+    the per-message walks over transfers never touch the many idle connections)."""
+
+    def __init__(self, ident: bytes, active: dict) -> None:
+        self._ident, self._active = ident, active
+        self._session: ImportSession | None = None
         self.plan: CompatPlan | None = None
         self.name = ""  # the sender's name from its handshake
-        self.session: ImportSession | None = None
         self.landing = None  # the session's payload landing on the data stream (stream_receiver)
         self.final: Final | None = None  # a streamed migration's closing state (None: not yet / not one)
         self.awaits_final = False        # streamed migration: commit only after `final` and the payload
         self.landed = False              # its payload finished landing while `final` was still missing
         self.token = -1
         self.t0 = 0.0
+
+    @property
+    def session(self) -> ImportSession | None:
+        return self._session
+
+    @session.setter
+    def session(self, session: ImportSession | None) -> None:
+        self._session = session
+        if session is None:
+            self._active.pop(self._ident, None)
+        else:
+            self._active[self._ident] = self
 
 
 class ZmqReceiver:
@@ -72,6 +88,7 @@ class ZmqReceiver:
         self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = [self.address]
         self.peers: OrderedDict[bytes, _Peer] = OrderedDict()
+        self.active: dict[bytes, _Peer] = {}  # the peers with a transfer in progress
         self.fingerprint = manager.storage.layout.fingerprint()
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
         self.poller = zmq.Poller()
@@ -106,7 +123,7 @@ class ZmqReceiver:
                 return None
             wait = deadline - now
             idle = [p.session.last_activity + self.config.idle_timeout_s - now
-                    for p in self.peers.values() if p.session is not None]
+                    for p in self.active.values()]
             if idle:
                 wait = min(wait, max(0.0, min(idle)))
             if self.streams is not None and not self.streams.finished.empty():
@@ -118,7 +135,7 @@ class ZmqReceiver:
 
     def in_flight(self) -> dict[str, list[int]]:
         """Transfer id -> receiver blocks reserved by an import still landing (not yet committed)."""
-        return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.peers.values()
+        return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.active.values()
                 if p.session is not None}
 
     def close(self) -> None:
@@ -153,12 +170,14 @@ class ZmqReceiver:
     def _peer(self, ident: bytes) -> _Peer:
         p = self.peers.get(ident)
         if p is None:
-            if len(self.peers) >= MAX_PEERS:
-                for k, old in list(self.peers.items()):
+            if len(self.peers) >= MAX_PEERS:  # forget the least recently heard idle connection
+                for k, old in self.peers.items():
                     if old.session is None:
                         del self.peers[k]
                         break
-            p = self.peers[ident] = _Peer()
+            p = self.peers[ident] = _Peer(ident, self.active)
+        else:
+            self.peers.move_to_end(ident)
         return p
 
     def _send(self, ident: bytes, header: bytes, msg) -> None:
@@ -189,10 +208,8 @@ class ZmqReceiver:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for ident, p in list(self.peers.items()):
+        for ident, p in list(self.active.items()):
             session, cfg = p.session, self.config
-            if session is None:
-                continue
             silent, age = now - session.last_activity, now - session.started
             if silent > cfg.idle_timeout_s or age > cfg.max_transfer_s:
                 why = f"silent for {silent:.1f}s" if silent > cfg.idle_timeout_s else f"running {age:.1f}s"
@@ -306,7 +323,7 @@ class ZmqReceiver:
             return self._refuse(ident, header, MalformedMessage("no data stream here"))
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
-                                    stage=self.stage, make_room=self.admission.make_room)
+                                    stage=self.stage, make_room=getattr(self.admission, "make_room", None))
         except TransferError as e:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise
@@ -325,7 +342,7 @@ class ZmqReceiver:
             landing = self.streams.finished.get_nowait()
         except queue.Empty:
             return None
-        for ident, peer in self.peers.items():
+        for ident, peer in self.active.items():
             if peer.landing is landing:
                 peer.landing = None
                 if landing.error is not None:
