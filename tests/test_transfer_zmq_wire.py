@@ -158,3 +158,27 @@ def test_a_trickling_sender_is_cut_off_by_the_total_transfer_limit(gen):
         raw.close()
         served.stop()
     assert snapshot(dst) == before
+
+
+def test_a_manifest_repeated_after_its_transfer_committed_is_ignored(gen):
+    """A duplicated manifest that arrives after its transfer already committed (the chaos
+    benchmark's dup_control on a fast stream) is a duplicate, not a new transfer to refuse."""
+    src, dst = pool(), pool()
+    served = Served(dst, auto_free=True)
+    raw = RawPeer(served.rx.address)
+    fill_random_sequence(src, "a", 40, gen)
+    ex = export_sequence(src, "a", "r", 1, config=ExportConfig(chunk_bytes=4096, checksum_mode="inline"))
+    try:
+        raw.hello(src.storage.layout.fingerprint())
+        msgs = _stream(ex, 7)
+        for msg in msgs:
+            raw.sock.send_multipart(msg)
+        assert raw.reply()[0] == TOKEN.pack(b"A", 7)  # acked
+        assert served.next().request_id == "r"
+        raw.sock.send_multipart(msgs[0])  # the same manifest again
+        time.sleep(0.3)
+        assert served.events.empty() and not raw.sock.poll(100)  # no new transfer, no nack
+        assert served.metrics.counters["duplicate_manifests"] == 1 and not served.metrics.errors
+    finally:
+        raw.close()
+        served.stop()

@@ -303,7 +303,7 @@ class ZmqReceiver:
 
     def _manifest(self, ident: bytes, peer: _Peer, token: int, body, streamed: bool = False) -> None:
         header = TOKEN.pack(b"A", token)
-        if peer.session is not None and token == peer.token:  # a duplicated manifest: already serving it
+        if token == peer.token:  # a duplicated manifest: served, refused or being served already
             self.metrics.add("duplicate_manifests")
             return None
         if peer.session is not None:  # the previous transfer never ended: abandon it, keep serving
@@ -311,6 +311,7 @@ class ZmqReceiver:
                 self._fail(ident, peer, FrameCountError("new manifest before the previous transfer ended"))
             except TransferError:
                 pass
+        peer.token = token  # a repeat of this manifest is a duplicate from now on, refused or not
         try:
             m = decode(unseal(body), self.config.limits, Manifest)
         except TransferError as e:
