@@ -78,6 +78,7 @@ def test_demo_prints_english_answers(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     answers = [line.split("tokens: ", 1)[1] for line in out.splitlines() if "tokens: " in line]
-    assert len(answers) == 5 and all(a.isprintable() and a != "(empty)" for a in answers), out
+    assert len(answers) == 6 and all(a.isprintable() and a != "(empty)" for a in answers), out
+    assert "of the KV left while the prompt was still computing" in out, out  # the long prompt streamed
     assert "model smollm2" in out and "Paris" in out and "- chat, streamed:" in out
     assert "ledger at rest: 0 active requests, 0 owned blocks" in out
