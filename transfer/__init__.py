@@ -8,8 +8,11 @@ once the manifest passed its checks (`importer`, `import_checks`, `import_landin
 when block sizes differ (`reblock`), staged through pinned host buffers for device pools
 (`staging`), with duplicate prefix blocks shared rather than sent (`blocks`), stale epochs refused
 (`epochs`) and sender blocks leased until the ack (`lease`). Two transports follow one contract
-(`transport`): ZeroMQ over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_wire`) and Ray
-(`ray_transport`). Every failure is a typed `errors.TransferError`, counted in `metrics`, and
+(`transport`): ZeroMQ control over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_payload`,
+`zmq_wire`) with the payload on a raw TCP/Unix data stream (`stream_wire`, `stream_sender`,
+`stream_receiver`) or in ZeroMQ frames, and Ray (`ray_transport`). A streamed migration offers a
+sequence while its prompt is still being computed (`stream_export`). `faults` injects the chaos
+benchmark's transfer faults on the sending side. Every failure is a typed `errors.TransferError`, counted in `metrics`, and
 leaves the receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its
 synthetic pools live in the top-level `bench` package, which nothing here imports.
 

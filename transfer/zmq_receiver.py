@@ -8,10 +8,8 @@ Manifests and dedupe queries pass `admission` (transfer.admission) before anythi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
-import queue
 import time
 from collections import OrderedDict
 
@@ -28,12 +26,13 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.importer import ImportResult, ImportSession
-from transfer.messages import Ack, Final, Held, Hello, HelloReply, Manifest, Nack, Query
+from transfer.messages import Final, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.stream_receiver import StreamListener
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig, hello_is_genuine
+from transfer.zmq_payload import PayloadMixin
 from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
 
 
@@ -66,7 +65,7 @@ class _Peer:
             self._active[self._ident] = self
 
 
-class ZmqReceiver:
+class ZmqReceiver(PayloadMixin):
     """Decode side: serves handshakes, dedupe queries and imports into `manager`'s pool."""
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
@@ -333,83 +332,3 @@ class ZmqReceiver:
         if streamed:
             peer.landing = self.streams.expect(ident, token, session)
         return None
-
-    def _landed(self) -> ImportResult | None:
-        """Commit (or fail) the next payload that finished landing on the data stream."""
-        if self.streams is None:
-            return None
-        self.streams.drain_wake()
-        try:
-            landing = self.streams.finished.get_nowait()
-        except queue.Empty:
-            return None
-        for ident, peer in self.active.items():
-            if peer.landing is landing:
-                peer.landing = None
-                if landing.error is not None:
-                    return self._fail(ident, peer, landing.error)
-                if peer.awaits_final and peer.final is None:
-                    peer.landed = True  # the closing state is still on its way
-                    return None
-                return self._end(ident, peer, landing.token)
-        return None  # its transfer was failed meanwhile
-
-    def _final(self, ident: bytes, peer: _Peer, token: int, body) -> ImportResult | None:
-        """A streamed migration's closing state: commit now if its payload already landed."""
-        s = peer.session
-        if s is None or token != peer.token or not peer.awaits_final or peer.final is not None:
-            self.metrics.add("stray_finals")
-            return None
-        try:
-            final = decode(unseal(body), self.config.limits, Final)
-            m = s.manifest
-            n = m.num_tokens
-            if (final.request_id, final.epoch) != (m.request_id, m.epoch) \
-                    or final.state.token_ids[:n] != m.state.token_ids[:n] or len(final.state.token_ids) < n:
-                raise MalformedMessage("final state does not continue the offered sequence")
-        except TransferError as e:
-            return self._fail(ident, peer, e)
-        peer.final = final
-        s.manifest = dataclasses.replace(m, state=final.state)
-        return self._end(ident, peer, token) if peer.landed else None
-
-    def _chunk(self, ident: bytes, peer: _Peer, f: int, c: int, cs: int) -> None:
-        s, sock = peer.session, self.sock
-        try:
-            bufs = s.chunk_buffers(f, c)
-        except TransferError as e:
-            self._drain()
-            return self._fail(ident, peer, e)
-        if len(bufs) == 1:
-            n = sock.recv_into(bufs[0])
-        else:
-            buf = sock.recv(copy=False).buffer
-            n = buf.nbytes
-            if n == sum(b.nbytes for b in bufs):
-                pos = 0
-                for b in bufs:
-                    b[:] = buf[pos:pos + b.nbytes]
-                    pos += b.nbytes
-        if self._drain():
-            return self._fail(ident, peer, MalformedMessage("data message with extra parts"))
-        try:
-            s.chunk_done(f, c, n, bufs, cs)
-        except TransferError as e:
-            return self._fail(ident, peer, e)
-        return None
-
-    def _end(self, ident: bytes, peer: _Peer, token: int) -> ImportResult | None:
-        s = peer.session
-        if s is None or token != peer.token or (peer.awaits_final and peer.final is None):
-            self.metrics.add("stray_ends")
-            return None
-        s.timings["recv_ms"] = (time.perf_counter() - peer.t0) * 1e3
-        try:
-            result = s.commit()
-        except TransferError as e:
-            return self._fail(ident, peer, e)
-        peer.session = None
-        self._send(ident, TOKEN.pack(b"A", token), Ack(result.request_id, result.epoch, result.new_blocks,
-                                                        result.reused_blocks, result.nbytes, result.timings))
-        return result
-
