@@ -12,8 +12,8 @@ when block sizes differ (`reblock`), staged through pinned host buffers for devi
 `zmq_wire`) with the payload on a raw TCP/Unix data stream (`stream_wire`, `stream_sender`,
 `stream_receiver`) or in ZeroMQ frames, and Ray (`ray_transport`). A streamed migration offers a
 sequence while its prompt is still being computed (`stream_export`). `faults` injects the chaos
-benchmark's transfer faults on the sending side. Every failure is a typed `errors.TransferError`, counted in `metrics`, and
-leaves the receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its
+benchmark's transfer faults on the sending side. Every failure is a typed
+`errors.TransferError`, counted in `metrics`, and leaves the receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its
 synthetic pools live in the top-level `bench` package, which nothing here imports.
 
 Entry points for workers: `export_sequence` / `import_sequence` (in process), `ImportSession`
