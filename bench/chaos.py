@@ -39,6 +39,8 @@ class ChaosConfig:
     load requests per phase (probes come on top). concurrency: client threads. fault_count: faults
     armed per transfer-fault phase (on each prefill worker). prefill / decode / num_blocks /
     transport: the cluster. heartbeat_timeout_s: how soon a killed worker is declared dead.
+    step_budget: every engine's token budget per step (prompts longer than it, or sharing a step,
+    prefill in chunks, so their KV migrates streamed and the transfer faults hit streams too).
     seed: base seed of prompts and sampling seeds. request_timeout_s: the client's bound on one
     request. rest_timeout_s: bound on waiting for the cluster to be at rest after a phase.
     recover_timeout_s: bound on waiting for capacity after an injection."""
@@ -57,6 +59,7 @@ class ChaosConfig:
     rest_timeout_s: float = 60.0
     recover_timeout_s: float = 120.0
     start_timeout_s: float = 240.0
+    step_budget: int = 128  # engine tokens per step: longer prompts prefill in chunks and stream
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.faults if f not in BY_NAME]
@@ -110,7 +113,8 @@ def reference(engine, reqs: list[ChaosRequest]) -> list[list[list[int]]]:
 
 
 # ---- the cluster's state ------------------------------------------------------------------------
-COUNTERS = ("faults_injected", "corruptions_injected", "checksum_errors", "transfer_errors")
+COUNTERS = ("faults_injected", "corruptions_injected", "checksum_errors", "transfer_errors",
+            "streamed_migrations", "stream_fallbacks")
 
 
 def counters(info: dict) -> dict:
@@ -202,6 +206,8 @@ def run_phase(t: Target, cfg: ChaosConfig, fault, load, refs, probes, probe_refs
     breaches = int(detail.get("breaches", 0))
     detail.update(faults_injected=growth(after, before, "faults_injected"),
                   transfer_errors=growth(after, before, "transfer_errors"),
+                  streamed_migrations=growth(after, before, "streamed_migrations"),
+                  stream_fallbacks=growth(after, before, "stream_fallbacks"),
                   probes=sum(tally.values()) - len(load), errors=dict(errors),
                   disconnected=sum(o.end == "disconnected" for o in outcomes))
     return {"fault": fault.name, "requests": sum(tally.values()), "correct": tally["correct"],
@@ -216,6 +222,7 @@ def cluster_config(cfg: ChaosConfig):
     from coordinator.config import ClusterConfig
 
     return ClusterConfig(prefill=cfg.prefill, decode=cfg.decode, transport=cfg.transport, model="tiny",
+                         engine={"scheduler": {"max_num_batched_tokens": cfg.step_budget}},
                          num_blocks=cfg.num_blocks, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                          restart_backoff_s=0.5, max_restarts=10, reserve_wait_s=10.0,
                          start_timeout_s=cfg.start_timeout_s)

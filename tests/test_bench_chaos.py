@@ -47,6 +47,7 @@ def test_small_chaos_run(ray_local, tmp_path):
         assert e["corruptions_injected"] == e["corruptions_detected"], e
         assert e["false_positives"] == 0, e
     by = {e["fault"]: e for e in report["faults"]}
+    assert sum(e["detail"]["streamed_migrations"] for e in report["faults"]) > 0  # streams were hit too
     assert by["flip_payload"]["corruptions_injected"] > 0  # not vacuous: flips happened and were caught
     forged = by["forged_import"]["detail"]
     assert forged["breaches"] == 0 and len(forged["refused"]) == 2  # the handshake, the bare manifest

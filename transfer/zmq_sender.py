@@ -236,14 +236,20 @@ class ZmqSender:
         token, ack_header, early = self._token, TOKEN.pack(b"A", self._token), []
         answered = self._answered(ack_header, early, float("inf"))
         self.stream.open()
-        self.sock.send_multipart([TOKEN.pack(b"O", token), seal(encode(m))])
+        fault = self.faults.take() if self.faults is not None else None  # the chaos benchmark
+        bodies = self.faults.manifest(fault, seal(encode(m))) if fault else [seal(encode(m))]
+        for body in bodies:
+            self.sock.send_multipart([TOKEN.pack(b"O", token), body])
         ok, state, early_bytes = self.stream.begin(token, m.payload_bytes), None, 0
         try:
             for item in feed:
                 last = isinstance(item, tuple)  # (the last blocks, the final state): the prefill is done
                 blocks = item[0] if last else item
                 early_bytes += 0 if last else sx.nbytes(blocks)
-                if not (ok and self.stream.send_chunks(sx.chunks(blocks), answered)):
+                items = sx.chunks(blocks)
+                if fault and blocks:  # a data fault hits the first batch of blocks
+                    items, fault = self.faults.chunks(fault, items), None
+                if not (ok and self.stream.send_chunks(items, answered)):
                     ok = False  # refused early, or the stream broke: the verdict follows
                     break
                 if last:
