@@ -310,4 +310,6 @@ class PrefillHandler:
         return blocks_by_request(self.engine, {**flying, **self.engine.requests, **self.engine.prefilled})
 
     def close(self) -> None:
+        for flight in self.inflight.values():  # a stream waiting for blocks ends now, not at its timeout
+            flight.cancel()
         self.shipper.close()
