@@ -19,7 +19,8 @@ Each is made as well as its kind allows, so a ratio against it means something:
   it), when the optional `nixl` package is importable; otherwise reported as
   `{"gb_per_s": None, "note": "nixl not installed"}`. nixl is not installed on the build
   machines, so the two-process path has NOT been run here: it follows nixl's documented Python
-  API (`nixl._api`), and any failure in it is reported as a note, never raised.
+  API (`nixl._api`), and any failure in it is reported as a note, never raised. It lives in
+  bench.baselines_nixl and is re-exported here.
 Each returns GB/s (1e9 bytes per second) of the median of `repeats` timed runs. `Baselines`
 measures all of them (and the xxh3 checksum speed) once per payload size for `bench.migrate`.
 """
@@ -35,6 +36,10 @@ import numpy as np
 import torch
 import xxhash
 
+from bench.baselines_nixl import NIXL_INITIATOR as NIXL_INITIATOR
+from bench.baselines_nixl import NIXL_TARGET as NIXL_TARGET
+from bench.baselines_nixl import _nixl_target as _nixl_target
+from bench.baselines_nixl import nixl
 from transfer.checksum import measure_gb_per_s
 
 PICKLE_MAX_BYTES = 1 << 30  # the pickle baseline holds ~4 copies of the payload at once
@@ -177,94 +182,6 @@ class PicklePipe:
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.terminate()
-
-
-NIXL_INITIATOR, NIXL_TARGET = "pdserve-bench-initiator", "pdserve-bench-target"
-
-
-def _nixl_target(conn, nbytes: int) -> None:
-    """The target process of the nixl baseline: registers a buffer, publishes its agent metadata
-    and descriptors, then serves "digest" requests until told to stop (None)."""
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        agent = nixl_agent(NIXL_TARGET, nixl_agent_config(backends=["UCX"]))
-        dst = torch.zeros(nbytes, dtype=torch.uint8)
-        agent.register_memory(dst)
-        conn.send(("ready", agent.get_agent_metadata(),
-                   agent.get_serialized_descs(agent.get_xfer_descs(dst))))
-        agent.add_remote_agent(conn.recv())  # the initiator's metadata (for its notifications)
-        while True:
-            if not conn.poll(300):
-                return
-            msg = conn.recv()
-            if msg is None:
-                return
-            conn.send(("digest", xxhash.xxh3_64_intdigest(dst.numpy())))
-    except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-def nixl(nbytes: int, repeats: int = 5) -> dict:
-    """{"gb_per_s": float, "verified": bool, "note"} or {"gb_per_s": None, "note": why}; never
-    raises. Two processes: this one initiates WRITEs into a spawned target's registered buffer.
-    Not run on the build machines (nixl is not installed there)."""
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        return {"gb_per_s": None, "note": "nixl not installed"}
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_nixl_target, args=(child, nbytes), daemon=True)
-    try:
-        proc.start()
-        agent = nixl_agent(NIXL_INITIATOR, nixl_agent_config(backends=["UCX"]))
-        src = torch.randint(1, 256, (nbytes,), dtype=torch.uint8)
-        agent.register_memory(src)
-        if not conn.poll(120):
-            raise RuntimeError("nixl target process did not start")
-        kind, *rest = conn.recv()
-        if kind != "ready":
-            raise RuntimeError(f"nixl target: {rest[0]}")
-        remote_meta, remote_descs = rest
-        conn.send(agent.get_agent_metadata())
-        remote_name = agent.add_remote_agent(remote_meta)
-        remote = agent.deserialize_descs(remote_descs)
-        local = agent.get_xfer_descs(src)
-        times = []
-        for i in range(1 + repeats):  # the first is an untimed warm-up (connection setup)
-            handle = agent.initialize_xfer("WRITE", local, remote, remote_name, f"x{i}".encode())
-            t0 = time.perf_counter()
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + 60
-            while state != "DONE":
-                if state == "ERR" or time.monotonic() > deadline:
-                    raise RuntimeError(f"nixl transfer state {state}")
-                state = agent.check_xfer_state(handle)
-            if i > 0:
-                times.append(time.perf_counter() - t0)
-            agent.release_xfer_handle(handle)
-        conn.send("digest")
-        if not conn.poll(120):
-            raise RuntimeError("nixl target did not answer")
-        kind, value = conn.recv()
-        if kind != "digest":
-            raise RuntimeError(f"nixl target: {value}")
-        verified = value == xxhash.xxh3_64_intdigest(src.numpy())
-        if not verified:
-            raise RuntimeError("nixl transfer did not deliver the bytes")
-        return {"gb_per_s": _median_gbps(nbytes, times), "verified": True,
-                "note": "UCX, initiator and target agents in two processes"}
-    except Exception as e:  # an optional peer library: report, do not fail the benchmark
-        return {"gb_per_s": None, "note": f"nixl failed: {type(e).__name__}: {e}"[:300]}
-    finally:
-        try:
-            conn.send(None)
-        except OSError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
 
 
 class Baselines:

@@ -10,25 +10,24 @@ What it checks (each a correctness property of bounded admission, not a speed ta
   - afterwards the cluster is at rest (no request in the ledger, no owned, used or reserved block
     beyond the prefix cache) and a fresh request still succeeds.
 
-`launch_up` starts `pdserve up` as a subprocess (the console script beside this interpreter);
-`run_flood` drives one burst against a URL; `summarize` / `format_table` report it. The command
-(`pdserve bench flood`) and tests/test_http_flood.py share these.
+`Up` (bench.flood_server) starts `pdserve up` as a subprocess (the console script beside this
+interpreter); `run_flood` drives one burst against a URL; `summarize` / `format_table`
+(bench.flood_report) report it. All are importable from here: the command (`pdserve bench flood`)
+and tests/test_http_flood.py share these.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
-import re
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
+
+from bench.flood_report import _pct as _pct
+from bench.flood_report import format_table, summarize
+from bench.flood_server import Up as Up
 
 # ----------------------------------------------------------------------------------------------
 # HTTP
@@ -192,138 +191,6 @@ def rest_summary(info: dict) -> dict:
             "workers": {w["name"]: {k: w.get(k) for k in ("alive", "used_blocks", "reserved_blocks",
                                                          "cached_blocks")}
                         for w in info.get("workers", [])}}
-
-
-# ----------------------------------------------------------------------------------------------
-# the report
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
-
-
-def summarize(report: dict) -> dict:
-    """Counts per status, latency percentiles, Retry-After values, health probe latency, and the
-    verdicts (`violations` lists everything that breaks the properties in the module doc)."""
-    cfg = report["config"]
-    recs, probes = report["records"], report["health"]
-    counts: dict[str, int] = {}
-    for r in recs:
-        counts[str(r["status"])] = counts.get(str(r["status"]), 0) + 1
-    lat = {s: [r["seconds"] for r in recs if r["status"] == s] for s in (200, 429)}
-    retry = {}
-    for r in recs:
-        if r["status"] == 429:
-            retry[str(r.get("retry_after"))] = retry.get(str(r.get("retry_after")), 0) + 1
-    hs = [p["seconds"] for p in probes]
-    violations = []
-    for r in recs:
-        if r["status"] not in (200, 429):
-            why = r.get("error") or r.get("body", "")
-            violations.append(f"request {r['index']}: status {r['status']} {why}")
-        elif r["status"] == 200 and r.get("problem"):
-            violations.append(f"request {r['index']}: malformed 200: {r['problem']}")
-        elif r["status"] == 429 and not r.get("retry_after"):
-            violations.append(f"request {r['index']}: 429 without Retry-After")
-        if r.get("ended_s") is not None and r["ended_s"] > cfg["bound_s"]:
-            violations.append(f"request {r['index']}: ended {r['ended_s']:.1f}s after the release")
-    bad = [p for p in probes if p["status"] != 200 or p["seconds"] > cfg["health_bound_s"]]
-    violations += [f"/health at {p['at_s']:.2f}s: status {p['status']} in {p['seconds']:.2f}s" for p in bad]
-    if not probes:
-        violations.append("no /health probe was answered during the flood")
-    ends = [r["ended_s"] for r in recs if r.get("ended_s") is not None]
-    ms = lambda x: None if x is None else round(1000 * x, 1)  # noqa: E731
-    return {"requests": len(recs), "counts": counts, "wall_s": report["wall_s"],
-            "last_end_s": round(max(ends), 3) if ends else None,
-            "latency_ms": {str(s): {"p50": ms(_pct(v, 50)), "p99": ms(_pct(v, 99)),
-                                    "max": ms(max(v, default=None))} for s, v in lat.items()},
-            "retry_after": retry,
-            "health": {"probes": len(probes), "ok": sum(p["status"] == 200 for p in probes),
-                       "p50_ms": ms(_pct(hs, 50)), "p99_ms": ms(_pct(hs, 99)),
-                       "max_ms": ms(max(hs, default=None))},
-            "violations": violations}
-
-
-def format_table(summary: dict) -> str:
-    def f(x):
-        return "-" if x is None else f"{x:g}"
-
-    lines = [f"flood: {summary['requests']} simultaneous requests, wall {summary['wall_s']:.2f} s "
-             f"(last answer {f(summary['last_end_s'])} s after release)",
-             "", "| status | count | latency p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]
-    for status, count in sorted(summary["counts"].items()):
-        lat = summary["latency_ms"].get(status, {})
-        lines.append(f"| {status} | {count} | {f(lat.get('p50'))} | {f(lat.get('p99'))} | "
-                     f"{f(lat.get('max'))} |")
-    h = summary["health"]
-    retry = ", ".join(f"{v}s x{n}" for v, n in sorted(summary["retry_after"].items())) or "-"
-    lines += ["", f"Retry-After seen: {retry}",
-              f"/health during the flood: {h['ok']}/{h['probes']} answered 200; p50 {f(h['p50_ms'])} ms, "
-              f"p99 {f(h['p99_ms'])} ms, max {f(h['max_ms'])} ms"]
-    if summary["violations"]:
-        bad = summary["violations"]
-        lines += ["", f"VIOLATIONS ({len(bad)}):"] + [f"  {v}" for v in bad[:20]]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# launching `pdserve up`
-
-
-class Up:
-    """`pdserve up ...` as a subprocess in its own session; `url` once it printed its address."""
-
-    def __init__(self, args: list[str], start_timeout_s: float = 180.0, env: dict | None = None):
-        exe = os.path.join(os.path.dirname(sys.executable), "pdserve")
-        cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "pdserve_cli.main"]
-        self.cmd = cmd + ["up", *args]
-        self.output = ""
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {})},
-                                     start_new_session=True)
-        self.url = ""
-        try:
-            deadline, m = time.monotonic() + start_timeout_s, None
-            while m is None and time.monotonic() < deadline and self.proc.poll() is None:
-                if select.select([self.proc.stdout], [], [], 1.0)[0]:
-                    self.output += self.proc.stdout.readline()
-                    m = re.search(r"on (http://[\d.]+:\d+)/v1", self.output)
-            if m is None:
-                raise RuntimeError(f"pdserve up did not come up:\n{self.output}")
-            self.url = m.group(1)
-            self._drain = threading.Thread(target=self._read, daemon=True)
-            self._drain.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.output += line
-
-    def stop(self, timeout: float = 90.0) -> int | None:
-        """SIGTERM (pdserve up shuts down its Ray and actors), then SIGKILL of the group if needed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever of its process group is left (raylet, workers)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                os.killpg(self.proc.pid, 0)
-                time.sleep(0.3)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        return self.proc.returncode
 
 
 def wait_healthy(url: str, timeout_s: float = 60.0) -> bool:
