@@ -147,8 +147,7 @@ class LLMEngine:
 
     def release_prefilled(self, request_id: str) -> None:
         """Prefill role: the decode side holds the KV now; free ours (full blocks stay cached)."""
-        req = self.prefilled.pop(request_id)
-        self._free_seqs(req)
+        self._free_seqs(self.prefilled.pop(request_id))
 
     def free_request(self, req: Request) -> None:
         """Prefill role: free a request taken out of `prefilled` (its migration is over)."""

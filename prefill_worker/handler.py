@@ -15,11 +15,11 @@ its transfer returns.
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prefill_worker.shipper import ShipJob, Shipped, Shipper
+from prefill_worker.streaming import Flight, StreamingMixin
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
 from transfer.messages import DecodeState
@@ -46,24 +46,6 @@ class PrefillWorkerConfig(WorkerConfig):
 
 
 @dataclass
-class _Flight:
-    """A request whose migration runs on a transfer thread; its blocks are freed when it returns.
-    A streamed one starts while the request is still prefilling (request None until finalized)."""
-
-    request: object
-    cancelled: bool = False  # aborted or superseded meanwhile: free the blocks, report nothing
-    feed: queue.SimpleQueue | None = None  # streamed: what the transfer thread sends next
-    sent: int = 0                          # streamed: logical blocks handed to the feed so far
-    pinned: list = field(default_factory=list)  # streamed: blocks referenced until the result
-    finalized: bool = False                # streamed: the final state went out
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self.feed is not None and not self.finalized:
-            self.feed.put(None)
-
-
-@dataclass
 class _Target:
     """Where a request's KV goes (the decode worker, its KV address, the migration epoch), and the
     engine's Request (kept: the engine retires a request that finished at its first token)."""
@@ -74,14 +56,14 @@ class _Target:
     request: object = None
 
 
-class PrefillHandler:
+class PrefillHandler(StreamingMixin):
     def __init__(self, config: PrefillWorkerConfig, engine):
         from transfer.senders import SenderPool
 
         self.config, self.engine = config, engine
         self.targets: dict[str, _Target] = {}                # request id -> migration target
         self.held: dict[str, tuple[int, float]] = {}         # request id -> (failed epoch, deadline)
-        self.inflight: dict[str, _Flight] = {}                # request id -> migration on a transfer thread
+        self.inflight: dict[str, Flight] = {}                # request id -> migration on a transfer thread
         keys = config.keys
         senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
                              config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
@@ -180,58 +162,6 @@ class PrefillHandler:
                 self._finalize(rid, flight)
         self._expire_held(events)
 
-    def _stream_progress(self) -> None:
-        """Start or feed streamed migrations of one-choice requests still prefilling."""
-        B = self.engine.config.block_size
-        for rid, flight in list(self.inflight.items()):  # ended at its first token, or gone
-            if flight.feed is not None and not (flight.finalized or flight.cancelled) \
-                    and rid not in self.engine.requests and rid not in self.engine.prefilled:
-                flight.cancel()
-        for rid, target in self.targets.items():
-            req = self.engine.requests.get(rid)
-            if req is None or req.params.n != 1 or req.is_beam or len(req.seqs) != 1:
-                continue
-            s = req.seqs[0]
-            t = self.engine.kv.tables.get(s.seq_id)
-            flight = self.inflight.get(rid)
-            if t is None or t.swapped or s.output_ids or (flight is not None and flight.feed is None):
-                continue
-            done = s.num_computed // B  # blocks whose K/V is complete
-            if flight is None:
-                if done == 0 or s.num_computed >= len(s.token_ids):
-                    continue
-                flight = self.inflight[rid] = _Flight(None, feed=queue.SimpleQueue())
-                self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, [],
-                                          flight.feed, list(s.token_ids), req.params.to_dict()))
-                self.streamed += 1
-            if not (flight.finalized or flight.cancelled):
-                self._feed_blocks(flight, t, done)
-
-    def _feed_blocks(self, flight: _Flight, table, upto: int) -> None:
-        """Hand logical blocks [sent, upto) to the transfer thread."""
-        new = self._pin(flight, table, upto)
-        if new:
-            flight.feed.put(new)
-
-    def _pin(self, flight: _Flight, table, upto: int) -> list:
-        """(logical, physical) blocks [sent, upto), each referenced until the transfer returns."""
-        new = [(i, table.blocks[i]) for i in range(flight.sent, upto)]
-        for _, b in new:
-            self.engine.kv.allocator.incref(b)
-        flight.pinned += [b for _, b in new]
-        flight.sent = max(flight.sent, upto)
-        return new
-
-    def _finalize(self, rid: str, flight: _Flight) -> None:
-        """The prompt is computed: the last blocks and the decode state close the stream."""
-        req = flight.request = self.engine.prefilled.pop(rid)
-        self.targets.pop(rid, None)
-        s = req.seqs[0]
-        table = self.engine.kv.table(s.seq_id)
-        last = self._pin(flight, table, -(-s.num_computed // self.engine.config.block_size))  # + the partial
-        flight.feed.put((last, DecodeState(list(s.token_ids), req.params.to_dict(), len(s.output_ids))))
-        flight.finalized = True
-
     def _ship(self, rid: str) -> None:
         """Hand a prefilled request to its decode worker's transfer thread; the blocks stay ours."""
         target = self.targets.pop(rid, None)
@@ -242,7 +172,7 @@ class PrefillHandler:
         sampling = req.params.to_dict()
         seqs = [(s.seq_id, f"{rid}/{s.index}", DecodeState(list(s.token_ids), sampling, len(s.output_ids)))
                 for s in req.live_seqs]
-        self.inflight[rid] = _Flight(req)
+        self.inflight[rid] = Flight(req)
         self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, seqs))
 
     def _landed(self, done: Shipped, events: list) -> None:

@@ -1,5 +1,6 @@
-"""ZeroMQ receiver (decode side): a ROUTER socket serving handshakes, dedupe queries and
-imports into one pool; the wire format is described in `transfer.zmq_wire`. Chunks land in the
+"""ZeroMQ receiver (decode side): a ROUTER socket serving handshakes and dedupe queries
+(`zmq_handshake`) and imports into one pool (their ends: `zmq_payload`); the wire format is in
+`transfer.zmq_wire`. Chunks land in the
 reserved blocks with `recv_into` while ZeroMQ's I/O thread already reads the next one. A failed
 transfer is aborted (reservation released), nacked, counted, and its error raised from `poll`.
 Manifests and dedupe queries pass `admission` (transfer.admission) before anything is allocated.
@@ -26,12 +27,13 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.importer import ImportResult, ImportSession
-from transfer.messages import Final, Held, Hello, HelloReply, Manifest, Nack, Query
+from transfer.messages import Final, Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
-from transfer.reblock import CompatPlan, check_compatible
+from transfer.reblock import CompatPlan
 from transfer.stream_receiver import StreamListener
 from transfer.stream_wire import parse_address
-from transfer.transport import TransportConfig, hello_is_genuine
+from transfer.transport import TransportConfig
+from transfer.zmq_handshake import HandshakeMixin
 from transfer.zmq_payload import PayloadMixin
 from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
 
@@ -65,7 +67,7 @@ class _Peer:
             self._active[self._ident] = self
 
 
-class ZmqReceiver(PayloadMixin):
+class ZmqReceiver(HandshakeMixin, PayloadMixin):
     """Decode side: serves handshakes, dedupe queries and imports into `manager`'s pool."""
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
@@ -266,39 +268,6 @@ class ZmqReceiver(PayloadMixin):
         if peer.session is not None:
             return self._fail(ident, peer, err)
         return self._refuse(ident, b"N", err)
-
-    def _hello(self, ident: bytes, peer: _Peer, body) -> None:
-        try:
-            hello = decode(body, self.config.limits, Hello)
-            if not hello_is_genuine(hello, self.config, self._nonces):
-                raise refused()  # NOTE: before anything about this receiver is revealed
-            peer.plan = check_compatible(hello.fingerprint, self.fingerprint)
-        except TransferError as e:
-            peer.plan = None
-            self._refuse(ident, b"h", e)
-        peer.name = hello.peer
-        reply = HelloReply(self.fingerprint, self.config.peer_name)
-        st = self.streams
-        if st is not None and (hello.stream == "tcp" or (hello.stream == "ipc" and st.path)):
-            tcp = hello.stream == "tcp"
-            reply = HelloReply(self.fingerprint, self.config.peer_name, st.port if tcp else 0,
-                               "" if tcp else st.path, st.issue(ident))
-        self._send(ident, b"h", reply)
-        return None
-
-    def _query(self, ident: bytes, peer: _Peer, body) -> None:
-        try:
-            q = decode(body, self.config.limits, Query)
-            if peer.plan is None or not self.admission.admit_query(q.request_id, peer.name):
-                raise refused()
-            if q.block_size != self.manager.block_size:
-                raise MalformedMessage(f"query in blocks of {q.block_size}, not {self.manager.block_size}")
-        except TransferError as e:
-            self._refuse(ident, b"q", e)
-        lookup = self.manager.allocator.lookup
-        held = tuple(i for i, h in enumerate(q.hashes) if lookup(h) is not None)
-        self._send(ident, b"q", Held(q.request_id, held))
-        return None
 
     def _manifest(self, ident: bytes, peer: _Peer, token: int, body, streamed: bool = False) -> None:
         header = TOKEN.pack(b"A", token)
