@@ -9,12 +9,15 @@ migrations queued for it; after one times out, the jobs already queued for that 
 once instead of each waiting out its own timeout. Each finished job is handed back as a
 `Shipped` through `post` (the worker loop's command queue), where the handler frees the blocks,
 reports `Migrated`, or holds the request for a resend. `connect` runs a handshake on the target's
-thread and waits for it.
+thread and waits for it. Tests pause streamed migrations mid-flight with `hold_streams` (each
+stops after its first blocks went out, until `release_streams`), so a worker can be killed while
+a stream is open.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from transfer.errors import TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
+HOLD_MAX_S = 60.0  # the longest a held stream waits for `release_streams`
 
 
 @dataclass
@@ -60,6 +64,8 @@ class Shipper:
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._gate: threading.Event | None = None  # set by hold_streams (tests)
+        self.held_streams: set[str] = set()        # request ids of streams waiting at the gate
 
     def _queue(self, name: str) -> queue.SimpleQueue:
         with self._lock:
@@ -84,7 +90,20 @@ class Shipper:
         except concurrent.futures.TimeoutError:
             return f"TransferTimeout: no handshake with {name} within {timeout:g}s"
 
+    def hold_streams(self) -> None:
+        """Tests: from now on a streamed migration stops after its first blocks went out (the decode
+        worker holds an open stream) until `release_streams`, `close` or HOLD_MAX_S."""
+        with self._lock:
+            self._gate = self._gate or threading.Event()
+
+    def release_streams(self) -> None:
+        with self._lock:
+            gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
+
     def close(self) -> None:
+        self.release_streams()
         with self._lock:
             queues, threads = list(self._queues.values()), list(self._threads)
         for q in queues:
@@ -131,7 +150,9 @@ class Shipper:
     def _stream(self, job: ShipJob) -> Shipped:
         """A streamed migration: milliseconds is the part after the prefill finished (exposed)."""
         def items():
-            while True:
+            for n in itertools.count():
+                if n == 1:
+                    self._hold(job.rid)
                 try:
                     item = job.feed.get(timeout=self.gap_s)
                 except queue.Empty:
@@ -151,6 +172,19 @@ class Shipper:
                   "sequences": 1}
         phases = dict(sender.last_phases)
         return Shipped(job, None, phases.get("exposed_ms", 0.0), totals, phases)
+
+    def _hold(self, rid: str) -> None:
+        """Wait at the test gate, if one is up (see hold_streams)."""
+        with self._lock:
+            gate = self._gate
+            if gate is None:
+                return
+            self.held_streams.add(rid)
+        try:
+            gate.wait(HOLD_MAX_S)
+        finally:
+            with self._lock:
+                self.held_streams.discard(rid)
 
     def _migrate(self, job: ShipJob) -> Shipped:
         if job.feed is not None:
