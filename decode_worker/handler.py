@@ -1,7 +1,8 @@
 """The decode role on the worker runtime: receive KV, join it to the batch, stream tokens.
 
 The loop waits on the KV receiver (ZeroMQ) or on its command queue (Ray transport, whose actor
-calls arrive as the `KvHello` / `KvQuery` / `KvReceive` commands below). Both hand a committed
+calls arrive as the `KvHello` / `KvQuery` / `KvReceive` / `KvStream` commands below; idle streams
+are expired each iteration, and an `Abort` ends the request's streams). Both hand a committed
 import to `_imported` the same way: it joins the continuous batch with `add_imported` only when
 its epoch is the one the coordinator reserved for that request; a stale or aborted import is
 freed at once, uncached. Each migrated sequence travels under the transfer id
@@ -66,6 +67,18 @@ class KvReceive:
     frames: tuple
 
 
+@dataclass(frozen=True)
+class KvStream:
+    """Ray transport, streamed migration: one `transfer.ray_stream` call (offer, blocks, final or
+    cancel), its msgpack header, its sealed body and its payload arrays."""
+
+    call: str
+    connection: str
+    header: bytes
+    body: bytes = b""
+    frames: tuple = ()
+
+
 class DecodeHandler:
     def __init__(self, config: DecodeWorkerConfig, engine):
         from transfer.transport import TransportConfig, tcp_address
@@ -96,7 +109,7 @@ class DecodeHandler:
 
     def _held_back(self) -> int:
         """Credit not yet turned into blocks: granted, minus what imports still landing allocated."""
-        landing = self.receiver.in_flight() if self.config.transport == "zmq" else {}
+        landing = self.receiver.in_flight()  # imports (or streams) reserved, not committed yet
         return max(0, self.credits.reserved_blocks() - sum(len(b) for b in landing.values()))
 
     # ---- the calling thread -----------------------------------------------------------------------
@@ -117,6 +130,8 @@ class DecodeHandler:
     def wait(self, loop, timeout: float, events: list) -> None:
         if self.config.transport != "zmq":
             loop.drain(events, timeout)
+            if self.receiver.expire_streams():  # a stream gone idle (its prefill died): blocks returned
+                log.warning("%s: an idle KV stream expired", self.config.name)
             return
         loop.drain(events)
         try:
@@ -143,9 +158,17 @@ class DecodeHandler:
             if result is not None:
                 self._imported(result, events)
             return reply
+        elif isinstance(cmd, KvStream):
+            reply, result = self.receiver.stream_call(cmd.call, cmd.connection, cmd.header, cmd.body,
+                                                      cmd.frames)
+            if result is not None:
+                self._imported(result, events)
+            return reply
         return None
 
     def _abort(self, rid: str) -> None:
+        if self.config.transport == "ray":
+            self.receiver.abort_streams(rid)  # its reservation is returned now, not at the idle bound
         _, running = self.expected.pop(rid, (0, set()))
         for transfer_id in running:
             self.sequences.pop(transfer_id, None)
@@ -213,7 +236,7 @@ class DecodeHandler:
                 "checksum_errors": errors.get("checksum", 0)}
 
     def holdings(self) -> dict[str, int]:
-        landing = self.receiver.in_flight() if self.config.transport == "zmq" else {}
+        landing = self.receiver.in_flight()
         return blocks_by_request(self.engine, self.engine.requests, _request_of, landing)
 
     def close(self) -> None:

@@ -1,14 +1,15 @@
 """The decode worker's Ray actor: the worker runtime with the decode role handler.
 
-Besides the runtime's typed `command` entry point it exposes the Ray transport's three calls
-(`kv_hello`, `kv_query`, `kv_receive`: msgpack bytes in and out, payload frames as zero-copy
-arrays), each forwarded to the loop thread as a typed command, since every pool call happens
-there. Tokens, imports and refusals reach the coordinator in the runtime's `WorkerReport`s.
+Besides the runtime's typed `command` entry point it exposes the Ray transport's calls (`kv_hello`,
+`kv_query`, `kv_receive`, and a streamed migration's `kv_offer`, `kv_blocks`, `kv_final`,
+`kv_cancel`: msgpack bytes in and out, payload frames as zero-copy arrays), each forwarded to the
+loop thread as a typed command, since every pool call happens there. Tokens, imports and
+refusals reach the coordinator in the runtime's `WorkerReport`s.
 """
 
 from __future__ import annotations
 
-from decode_worker.handler import DecodeHandler, DecodeWorkerConfig, KvHello, KvQuery, KvReceive
+from decode_worker.handler import DecodeHandler, DecodeWorkerConfig, KvHello, KvQuery, KvReceive, KvStream
 from runtime.actor import WorkerActor
 
 
@@ -30,3 +31,15 @@ class DecodeWorker(WorkerActor):
 
     def kv_receive(self, connection: str, manifest: bytes, *frames) -> bytes:
         return self.loop.call(KvReceive(connection, manifest, frames))
+
+    def kv_offer(self, connection: str, header: bytes, manifest: bytes) -> bytes:
+        return self.loop.call(KvStream("ray_offer", connection, header, manifest))
+
+    def kv_blocks(self, connection: str, header: bytes, *frames) -> bytes:
+        return self.loop.call(KvStream("ray_blocks", connection, header, b"", frames))
+
+    def kv_final(self, connection: str, header: bytes, final: bytes) -> bytes:
+        return self.loop.call(KvStream("ray_final", connection, header, final))
+
+    def kv_cancel(self, connection: str, header: bytes) -> bytes:
+        return self.loop.call(KvStream("ray_cancel", connection, header))

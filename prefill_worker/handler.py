@@ -150,8 +150,7 @@ class PrefillHandler(StreamingMixin):
     def after_step(self, events: list) -> None:
         while self._shipped:  # finished before a loop was attached (a handler driven by hand)
             self._landed(self._shipped.pop(0), events)
-        if self.config.stream_migration and self.config.transport == "zmq" \
-                and self.engine.storage.device.type == "cpu":
+        if self.config.stream_migration and self.engine.storage.device.type == "cpu":
             self._stream_progress()
         for rid in list(self.engine.prefilled):
             flight = self.inflight.get(rid)

@@ -8,7 +8,9 @@ once into the object store (frames under 100 KiB travel inline with the call). R
 frames over as read-only numpy arrays mapped from shared memory (zero-copy), which
 `import_sequence` copies once into the reserved blocks. Our own messages cross as msgpack
 bytes; Ray serializes the call itself. The receiving actor exposes `kv_hello(conn, bytes)`,
-`kv_query(conn, bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes.
+`kv_query(conn, bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes,
+and for streamed migrations (`ray_stream`, `ray_stream_receiver`) `kv_offer`, `kv_blocks`,
+`kv_final` and `kv_cancel`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from transfer.export import ExportedSequence
 from transfer.importer import ImportResult, import_sequence
 from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.ray_stream import migrate_streamed
+from transfer.ray_stream_receiver import RayStreamMixin
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.transport import TransportConfig, hello_is_genuine, make_hello, migrate
 
 
-class RayReceiverEndpoint:
+class RayReceiverEndpoint(RayStreamMixin):
     """Decode side. Call its methods from the actor that owns `manager` (one thread)."""
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
@@ -48,6 +52,7 @@ class RayReceiverEndpoint:
         self.fingerprint = manager.storage.layout.fingerprint()
         self.plans: dict[str, tuple[CompatPlan, str]] = {}  # connection -> (plan, sender's name)
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
+        self._init_streams()
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
         if not counted:
@@ -122,6 +127,7 @@ class RaySender:
         self.conn = uuid.uuid4().hex
         self.plan: CompatPlan | None = None
         self.last_phases: dict[str, float] = {}  # of the last migration (transport.migrate)
+        self.stream_token = 0  # streamed migrations on this connection so far
 
     def _get(self, ref, timeout: float, what: str):
         import ray
@@ -193,6 +199,12 @@ class RaySender:
         self.metrics.add("transfers")
         self.metrics.add("bytes_sent", m.payload_bytes)
         return ack
+
+    def migrate_streamed(self, manager, request_id: str, epoch: int, token_ids: list[int], sampling: dict,
+                         feed, extra_key: str | None = None, timeout: float | None = None) -> Ack:
+        """A streamed migration with `ZmqSender.migrate_streamed`'s contract (`transfer.ray_stream`)."""
+        return migrate_streamed(self, manager, request_id, epoch, token_ids, sampling, feed, extra_key,
+                                timeout)
 
     def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
                 leases=None, timeout: float | None = None, lease: bool = True) -> Ack:
