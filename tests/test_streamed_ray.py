@@ -4,8 +4,10 @@ endpoint over a synthetic pool): the landed KV equals the sender's at equal and 
 sizes; a stream cut after its first chunk, a corrupted second chunk, a lost offer or a final
 that does not continue the offer is refused whole and leaves both pools as they were; a stream
 that goes idle is expired by the receiver with every reserved block returned. The header schema
-is strict. On a local Ray cluster with transport="ray" whose step budget splits prompts into
-chunks: greedy tokens through streamed migrations equal the local engine's."""
+is strict. A decode worker in process admits an offer only under its reservation, reports the
+stream's blocks as the request's, and returns them on an Abort. On a local Ray cluster with
+transport="ray" whose step budget splits prompts into chunks: greedy tokens through streamed
+migrations equal the local engine's."""
 
 import time
 
@@ -229,3 +231,52 @@ def test_cluster_greedy_tokens_through_ray_streamed_migrations_equal_the_local_e
         assert all(w["used_blocks"] == 0 for w in ws.values())  # pinned and reserved blocks all returned
     finally:
         srv.stop()
+
+
+def test_decode_worker_admits_a_stream_only_under_its_reservation_and_an_abort_ends_it():
+    """The decode worker in process (its actor methods called directly, no Ray): an offer without a
+    reservation is refused before a block is allocated; under one, every block is reserved at the
+    offer and reported as held by the request; an Abort returns them at once, and the stream's
+    next call is refused."""
+    from worker_harness import in_process
+
+    from bench.pools import make_manager
+    from decode_worker.worker import DecodeWorker
+    from kvcache.storage import KVLayout
+    from protocol.codec import decode as decode_command
+    from protocol.codec import encode as encode_command
+    from protocol.messages import Abort, Reserve
+    from transfer.codec import decode, encode, seal
+    from transfer.messages import HelloReply, Nack
+    from transfer.ray_stream import OK
+    from transfer.transport import make_hello
+
+    with in_process(DecodeWorker, {"name": "decode-rs", "transport": "ray", "engine": {"num_blocks": 32}}) \
+            as (w, _):
+        fp = w.engine.storage.layout.fingerprint()
+        layout = KVLayout(fp["num_layers"], fp["num_kv_heads"], fp["head_dim"], fp["block_size"], fp["dtype"],
+                          fp["model"])
+        src = make_manager(layout, 16)
+        tokens = list(range(1, 41))
+        fill_random_sequence(src, "a", 40, torch.Generator().manual_seed(2), tokens)
+        hello = encode(make_hello(layout.fingerprint(), TransportConfig(peer_name="prefill-0")))
+        assert isinstance(decode(w.kv_hello("c", hello)), HelloReply)
+        offer = seal(encode(StreamedExport(src, "r/0", 3, tokens, {"max_tokens": 4}).manifest))
+        used = w.engine.kv.usage()["used_blocks"]
+        refused = decode(w.kv_offer("c", encode_header(StreamHeader(OFFER, 1)), offer))
+        assert isinstance(refused, Nack) and refused.code == "refused"
+        assert w.engine.kv.usage()["used_blocks"] == used
+        assert decode_command(w.command(encode_command(Reserve("r", 3, 41, 1, "prefill-0")))).granted
+        reply = decode_header(w.kv_offer("c", encode_header(StreamHeader(OFFER, 2)), offer), Limits())
+        assert reply.kind == OK
+        assert w.engine.kv.usage()["used_blocks"] == used + 3  # 40 tokens in blocks of 16
+        assert w.loop.call(Abort("none")) is None  # a no-op, answered on the loop thread after the offer
+        assert w.handler.holdings() == {"r": 3}
+        w.command(encode_command(Abort("r")))
+        deadline = time.monotonic() + 10
+        while w.engine.kv.usage()["used_blocks"] != used and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.engine.kv.usage()["used_blocks"] == used and w.handler.receiver.in_flight() == {}
+        header = StreamHeader(BLOCKS, 2, 0, (0,), (0,), (0,))
+        late = decode(w.kv_blocks("c", encode_header(header), bytes(layout.block_bytes)))
+        assert isinstance(late, Nack) and late.code == "closed"
