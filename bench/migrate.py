@@ -51,7 +51,8 @@ TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "ray")
 @dataclass(frozen=True)
 class BenchConfig:
     """What to measure. kv_shapes: presets or 'L,H,D,dtype'; tokens: sequence lengths;
-    repeats: timed transfers per point (after `warmup` untimed ones); chunk_bytes: wire chunk."""
+    repeats: timed transfers per point (after `warmup` untimed ones); chunk_bytes: wire chunk;
+    inline_bytes: the ZeroMQ senders' TransportConfig.inline_bytes (None: its default)."""
 
     kv_shapes: tuple[str, ...] = ("tiny", "llama3-8b")
     tokens: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -61,6 +62,7 @@ class BenchConfig:
     warmup: int = 2
     chunk_bytes: int = 2 << 20
     baselines: bool = True
+    inline_bytes: int | None = None
 
 
 QUICK = BenchConfig(tokens=(256, 1024, 2048), repeats=4, warmup=2)
@@ -113,7 +115,7 @@ class _Receivers:
     """Receiver endpoints for one (layout, pool size): the peer process and/or a Ray actor."""
 
     def __init__(self, peer, layout_args: tuple, num_blocks: int, transports, chunk_bytes: int,
-                 ray_store_bytes: int = 0):
+                 ray_store_bytes: int = 0, inline_bytes: int | None = None):
         self.peer, self.senders, self.actor = peer, {}, None
         fp = KVLayout(*layout_args).fingerprint()
         if peer is not None and any(t.startswith("zmq") for t in transports):
@@ -124,7 +126,8 @@ class _Receivers:
             for name, addr, plane in zip(("zmq-tcp", "zmq-ipc", "zmq-frames"), addrs + addrs[:1],
                                          ("stream", "stream", "zmq")):
                 if name in transports:
-                    cfg = TransportConfig(address=addr, chunk_bytes=chunk_bytes, data_plane=plane)
+                    more = {} if inline_bytes is None else {"inline_bytes": inline_bytes}
+                    cfg = TransportConfig(address=addr, chunk_bytes=chunk_bytes, data_plane=plane, **more)
                     s = ZmqSender(fp, cfg)
                     s.connect()
                     self.senders[name] = s
@@ -221,7 +224,7 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
     """Every (tokens, transport) point of one KV layout; receivers are set up once for it."""
     B, rows = layout_args[3], []
     num_blocks = blocks_for(max(cfg.tokens), B) + 2
-    recv = _Receivers(peer, layout_args, num_blocks, cfg.transports, cfg.chunk_bytes, store)
+    recv = _Receivers(peer, layout_args, num_blocks, cfg.transports, cfg.chunk_bytes, store, cfg.inline_bytes)
     try:
         for T in cfg.tokens:
             # A fresh sender pool per point: its blocks are contiguous, so the payload is one frame

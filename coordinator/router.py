@@ -13,7 +13,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from protocol.prefix_hash import ROOT_HASH, hash_block
+from protocol.prefix_hash import hash_chain
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
@@ -59,11 +59,7 @@ class Router:
 
     @staticmethod
     def _hashes(prompt_ids: list[int], block_size: int) -> list[int]:
-        out, parent = [], ROOT_HASH
-        for i in range((len(prompt_ids) - 1) // block_size):
-            parent = hash_block(parent, prompt_ids[i * block_size:(i + 1) * block_size])
-            out.append(parent)
-        return out
+        return hash_chain(prompt_ids, block_size, stop=(len(prompt_ids) - 1) // block_size)
 
     def _match(self, w: WorkerLoad, prompt_ids: list[int]) -> int:
         seen = self._seen.get(w.worker_id)

@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 
 from kvcache import integrity, swap
-from kvcache.allocator import ROOT_HASH, BlockAllocator, hash_block
+from kvcache.allocator import ROOT_HASH, BlockAllocator
 from kvcache.storage import KVStorage
 from kvcache.table import BlockTable, blocks_for
+from protocol.prefix_hash import hash_chain
 
 __all__ = ["BlockTable", "KVCacheManager", "blocks_for"]  # the table's names, re-exported for callers
 
@@ -66,11 +67,7 @@ class KVCacheManager:
 
     def prefix_hashes(self, token_ids: list[int], extra_key: str | None = None) -> list[int]:
         """Chained hashes of every full block of `token_ids`."""
-        B, out, parent = self.block_size, [], ROOT_HASH
-        for i in range(len(token_ids) // B):
-            parent = hash_block(parent, token_ids[i * B:(i + 1) * B], extra_key)
-            out.append(parent)
-        return out
+        return hash_chain(token_ids, self.block_size, extra_key)
 
     def match_prefix(self, token_ids: list[int], extra_key: str | None = None) -> list[int]:
         """Cached blocks holding the longest prefix of `token_ids` (no references taken).
@@ -198,10 +195,11 @@ class KVCacheManager:
             return
         B = self.block_size
         parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
-        for i in range(len(table.block_hashes), table.num_computed // B):
-            parent = hash_block(parent, table.token_ids[i * B:(i + 1) * B], table.extra_key)
-            table.block_hashes.append(parent)
-            self.allocator.register(table.blocks[i], parent)
+        first = len(table.block_hashes)
+        for i, h in enumerate(hash_chain(table.token_ids, B, table.extra_key, parent, first,
+                                         table.num_computed // B), first):
+            table.block_hashes.append(h)
+            self.allocator.register(table.blocks[i], h)
 
     def adopt(self, seq_id, blocks: list[int], token_ids: list[int], extra_key: str | None = None) -> None:
         """Make a table from blocks the caller already holds one reference to (KV import)."""

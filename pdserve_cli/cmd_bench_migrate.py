@@ -28,6 +28,10 @@ def add_arguments(p) -> None:
     p.add_argument("--transports", help="comma-separated: zmq-tcp,zmq-ipc,zmq-frames,ray (default all)")
     p.add_argument("--repeats", type=int, help="timed transfers per point")
     p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 2)")
+    p.add_argument("--inline-kib", type=int,
+                   help="zmq-tcp / zmq-ipc: payloads up to this many KiB follow the manifest on the control "
+                        "socket instead of the data stream (TransportConfig.inline_bytes, default 256; 0: "
+                        "every payload streams): run it twice to find the crossover")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
 
 
@@ -54,6 +58,8 @@ def run(args) -> int:
         over["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
     if args.no_baselines:
         over["baselines"] = False
+    if args.inline_kib is not None:
+        over["inline_bytes"] = args.inline_kib << 10
     cfg = replace(cfg, **over)
     print(f"bench migrate: shapes {cfg.kv_shapes}, tokens {cfg.tokens}, block sizes {cfg.block_sizes}, "
           f"transports {cfg.transports}, repeats {cfg.repeats}", flush=True)

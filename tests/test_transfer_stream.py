@@ -158,20 +158,25 @@ def test_bad_streams_leave_the_pool_unchanged(gen, case):
     dst.check_integrity()
 
 
-@pytest.mark.parametrize("plane", ["stream", "zmq"])
-def test_ipc_and_tcp_carry_the_same_bytes_on_either_data_plane(gen, plane):
+@pytest.mark.parametrize("plane,inline", [("stream", 0), ("zmq", 0), ("stream", 1 << 20)],
+                         ids=["stream", "zmq", "stream-small-inline"])
+def test_ipc_and_tcp_carry_the_same_bytes_on_either_data_plane(gen, plane, inline):
+    """inline 0: the payload takes the named data plane; 1 MiB: this 43 KiB payload follows its
+    manifest on the control socket even though a data stream is open."""
     src, dst = pool(), pool()
     fill_random_sequence(src, "a", 333, gen)
     for address in ("tcp://127.0.0.1:0", ipc_address()):
         served = Served(dst, address=address, auto_free=True, data_plane=plane)
-        tx = ZmqSender(src.storage.layout.fingerprint(),
-                       TransportConfig(address=served.rx.address, chunk_bytes=8192, data_plane=plane))
+        tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(
+            address=served.rx.address, chunk_bytes=8192, data_plane=plane, inline_bytes=inline))
         try:
             tx.connect()
             assert (tx.stream is not None) == (plane == "stream")
             for i in range(3):
                 tx.migrate(src, "a", f"r{i}", 1, dedupe=False)
                 assert torch.equal(served.kv[served.next().seq_id], kv_bytes(src, "a"))
+            if plane == "stream":  # the data stream opens only for a payload that takes it
+                assert (tx.stream.sock is None) == bool(inline)
         finally:
             tx.close()
             served.stop()

@@ -25,12 +25,17 @@ def gen():
     return torch.Generator().manual_seed(11)
 
 
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["queried", "one-round-trip"])
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
-def test_migrate_full_then_deduplicated(gen, kind):
+def test_migrate_full_then_deduplicated(gen, kind, inline):
+    """Queried (inline_bytes 0): the shared prefix is not sent. One round trip (payload under
+    inline_bytes): no query, every byte is sent, and the receiver shares the prefix it holds."""
     src, dst = pool(), pool()
-    served = Served(dst, "tcp://127.0.0.1:0" if kind == "tcp" else ipc_address())
-    cfg = TransportConfig(address=served.rx.address, chunk_bytes=4096)
+    served = Served(dst, "tcp://127.0.0.1:0" if kind == "tcp" else ipc_address(), inline_bytes=inline)
+    cfg = TransportConfig(address=served.rx.address, chunk_bytes=4096, inline_bytes=inline)
     tx = ZmqSender(src.storage.layout.fingerprint(), cfg)
+    queries, real_query = [], tx.query
+    tx.query = lambda *a, **k: queries.append(a) or real_query(*a, **k)
     try:
         assert tx.connect().dst_block_size == 16
         prefix = fill_random_sequence(src, "a", 100, gen)
@@ -40,7 +45,9 @@ def test_migrate_full_then_deduplicated(gen, kind):
         assert served.next().request_id == "ra"
         fill_random_sequence(src, "b", 120, gen, token_ids=prefix[:96] + list(range(24)))
         ack = tx.migrate(src, "b", "rb", 1, leases=leases)
-        assert ack.reused_blocks == 6 and ack.new_blocks == 2 and ack.nbytes == 2 * 2048
+        sent = 2 if inline == 0 else 8
+        assert (ack.reused_blocks, ack.new_blocks, ack.nbytes) == (6, 2, sent * 2048)
+        assert len(queries) == (2 if inline == 0 else 0)
         assert served.next().request_id == "rb"
         assert leases.extra_refs() == {}  # acked: the leases were released
     finally:
@@ -169,8 +176,8 @@ def test_stale_epoch_nack_reaches_sender_and_releases_lease(gen):
 def test_dedupe_miss_is_retried_in_full(gen):
     src, dst = pool(), pool()
     served = Served(dst, auto_free=True)  # imported sequences are freed: their blocks stay cached
-    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address),
-                   metrics=TransferMetrics())
+    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address, inline_bytes=0),
+                   metrics=TransferMetrics())  # inline_bytes 0: this small payload is queried first
     try:
         fill_random_sequence(src, "a", 64, gen)
         tx.migrate(src, "a", "r1", 1)

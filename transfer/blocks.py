@@ -5,21 +5,14 @@ which sender blocks can be skipped because the receiver already holds every toke
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvcache.allocator import ROOT_HASH, hash_block
 from kvcache.manager import blocks_for
+from protocol.prefix_hash import hash_chain
 
 
 def prefix_hashes_at(token_ids, block_size: int, extra_key: str | None = None) -> list[int]:
-    """Chained hashes of every full block of `token_ids` in blocks of `block_size`, computed with
-    `kvcache.hash_block` itself (so the encoding can never drift) over int64 array slices."""
-    n = len(token_ids) // block_size
-    arr, out, parent = np.asarray(token_ids[:n * block_size], dtype=np.int64), [], ROOT_HASH
-    for i in range(n):
-        parent = hash_block(parent, arr[i * block_size:(i + 1) * block_size], extra_key)
-        out.append(parent)
-    return out
+    """Chained hashes of every full block of `token_ids` in blocks of `block_size` (the one
+    encoding of `protocol.prefix_hash`, so it can never drift)."""
+    return hash_chain(token_ids, block_size, extra_key)
 
 
 def skipped_blocks(num_tokens: int, block_size: int, reuse: set[int], reuse_block_size: int) -> list[bool]:

@@ -3,9 +3,11 @@
 `check_manifest` validates a manifest against the receiver's storage: fingerprint (per the
 connection's `CompatPlan`, or a fresh compatibility check), frame sizes, prefix hashes against
 the token ids, and that the frames cover exactly the sender blocks the receiver lacks.
-`check_reuse` then looks up the prefix blocks the manifest reuses and counts the fresh blocks the
-import needs against what the pool has available. Both raise a typed `TransferError` and change
-nothing; `importer.ImportSession` reserves the blocks only after both passed.
+`check_reuse` then looks up the prefix blocks the manifest reuses and counts the fresh blocks
+the import needs against what the pool has available; `cached_prefix` finds the prefix this
+receiver holds already when the sender sent everything (a small transfer skips the dedupe
+query). Both raise a typed `TransferError` and change nothing; `importer.ImportSession` reserves
+the blocks only after both passed.
 """
 
 from __future__ import annotations
@@ -95,3 +97,21 @@ def check_reuse(allocator: BlockAllocator, manifest: Manifest,
     if need + revived > allocator.num_available:
         raise PoolFull(f"need {need + revived} blocks, {allocator.num_available} available")
     return reuse_hashes, need
+
+
+def cached_prefix(allocator: BlockAllocator, manifest: Manifest, checked: CheckedManifest) -> list[int]:
+    """Hashes of the longest run of leading receiver blocks already in this receiver's prefix
+    cache, for a manifest that reuses nothing (its sender skipped the dedupe query). The import
+    then shares those blocks, as a queried one would, and discards their bytes."""
+    if manifest.reuse:
+        return []
+    hashes = checked.sender_hashes
+    if checked.plan.dst_block_size != checked.plan.src_block_size:
+        hashes = prefix_hashes_at(manifest.state.token_ids[:manifest.num_tokens], checked.plan.dst_block_size,
+                                  manifest.extra_key)
+    out = []
+    for block_hash in hashes:
+        if allocator.lookup(block_hash) is None:
+            break
+        out.append(block_hash)
+    return out

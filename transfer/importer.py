@@ -4,12 +4,14 @@
 manifest against the receiver (`import_checks`: fingerprint per the connection's `CompatPlan`,
 frame sizes, prefix hashes against the token ids, dedupe coverage; then sequence id and epoch)
 and only then reserves blocks (reused prefix blocks by `acquire_cached`, the rest by
-`allocate_many`, all or nothing). Chunks must arrive in order; `chunk_buffers` says where the
-next one goes (`import_landing`: views of the reserved pool blocks when the layouts match, a host
-staging buffer when re-blocking, a pinned ring slot for device pools), `chunk_done` verifies its
-size and checksum, and `commit` builds the table with `KVCacheManager.adopt`. Any failure calls
-`abort`: every reservation is released, the error is counted, and the receiver's pool is exactly
-as it was. `import_sequence` drives a session over in-memory frames.
+`allocate_many`, all or nothing; a small payload sent without a dedupe query shares the prefix
+blocks this receiver caches already, and their bytes land in staging and are dropped). Chunks
+must arrive in order; `chunk_buffers` says where the next one goes (`import_landing`: views of
+the reserved pool blocks when the layouts match, a host staging buffer when re-blocking or
+dropping held blocks, a pinned ring slot for device pools), `chunk_done` verifies its size and
+checksum, and `commit` builds the table with `KVCacheManager.adopt`. Any failure calls `abort`:
+every reservation is released, the error is counted, and the receiver's pool is exactly as it
+was. `import_sequence` drives a session over in-memory frames.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from transfer.errors import (
     SequenceExists,
     TransferError,
 )
-from transfer.import_checks import check_manifest, check_reuse
+from transfer.import_checks import cached_prefix, check_manifest, check_reuse
 from transfer.import_landing import pool_segments, reblock_staged, slot_segments
 from transfer.messages import DecodeState, Manifest
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
@@ -61,8 +63,9 @@ class ImportSession:
 
     def __init__(self, manager: KVCacheManager, manifest: Manifest, plan: CompatPlan | None = None, *,
                  seq_id=None, epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
-                 stage: bool = False, make_room=None):
+                 stage: bool = False, make_room=None, local_dedupe_bytes: int = 256 << 10):
         t0 = time.perf_counter()
+        self.local_dedupe_bytes = local_dedupe_bytes  # reuse cached blocks of an unqueried payload this small
         self.make_room = make_room  # admission.make_room: asked once for room when the pool is short
         self.manager, self.manifest, self.metrics = manager, manifest, metrics or DEFAULT_METRICS
         self.epochs, self.seq_id = epochs, manifest.request_id if seq_id is None else seq_id
@@ -105,18 +108,23 @@ class ImportSession:
                 raise
             self.make_room(blocks_for(manifest.num_tokens, self.plan.dst_block_size) + 1)
             reuse_hashes, need = check_reuse(allocator, manifest, self.checked)  # PoolFull if still short
+        reuse_at = list(manifest.reuse)
+        if not reuse_at and manifest.payload_bytes <= self.local_dedupe_bytes:
+            reuse_hashes = cached_prefix(allocator, manifest, self.checked)  # its bytes are discarded
+            reuse_at, need = list(range(len(reuse_hashes))), need - len(reuse_hashes)
         # NOTE: each list is stored as soon as it is taken: `abort` releases exactly these two.
         self._acquired = [allocator.acquire_cached(h) for h in reuse_hashes]  # type: ignore[misc]
         self._allocated = allocator.allocate_many(need) or []
         fresh = iter(self._allocated)
-        reuse = dict(zip(manifest.reuse, self._acquired))
+        reuse = dict(zip(reuse_at, self._acquired))
         num_blocks = blocks_for(manifest.num_tokens, self.plan.dst_block_size)
         self.dst_blocks = [reuse[j] if j in reuse else next(fresh) for j in range(num_blocks)]
-        self.reused = set(manifest.reuse)
+        self.reused = set(reuse_at)
+        self.discard = bool(reuse_at) and not manifest.reuse  # sent bytes for blocks held already
 
     def _setup_targets(self, stage: bool) -> None:
         storage = self.manager.storage
-        if self.plan.reblock:
+        if self.plan.reblock or self.discard:  # staged; at commit only the fresh blocks are written
             self.staging = np.empty(self.manifest.payload_bytes, dtype=np.uint8)
             offsets = np.cumsum([0] + [frame.nbytes for frame in self.manifest.frames])
             self.frame_offset = [int(o) for o in offsets]

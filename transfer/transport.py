@@ -57,6 +57,12 @@ class TransportConfig:
     data_plane: how ZeroMQ transfers carry payload bytes: "stream" (a raw TCP or Unix socket
       beside the ZeroMQ control channel, landed with recv_into on a reader thread: stream_wire)
       or "zmq" (payload chunks as ZeroMQ messages on the control socket).
+    inline_bytes: payloads up to this size make one round trip: `migrate` skips the dedupe
+      query (the receiver's cache keeps its first copy of a prefix canonical, so a duplicate
+      only costs its bytes), and a ZeroMQ sender puts the chunks on the control socket right
+      behind the manifest instead of on the data stream, saving the reader thread's hand-off
+      (0: every payload queries and streams; the default is measured with `pdserve bench migrate
+      --inline-kib`, see the README).
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -74,10 +80,13 @@ class TransportConfig:
     limits: Limits = field(default_factory=Limits)
     secret: str = ""
     data_plane: str = "stream"
+    inline_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if self.data_plane not in ("stream", "zmq"):
             raise ValueError(f"data_plane must be 'stream' or 'zmq', got {self.data_plane!r}")
+        if self.inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be >= 0, got {self.inline_bytes}")
 
 
 def make_hello(fingerprint: dict, config: TransportConfig, stream: str = ""):
@@ -119,9 +128,15 @@ def ipc_address(name: str | None = None, directory: str | None = None) -> str:
 RECEIVER_PHASES = ("prepare_ms", "land_ms", "verify_ms", "commit_ms")
 
 
+def payload_estimate(manager, num_tokens: int) -> int:
+    """Payload bytes of a sequence of `num_tokens` computed tokens with nothing reused."""
+    return -(-num_tokens // manager.block_size) * manager.storage.layout.block_bytes
+
+
 def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
             leases=None, timeout: float | None = None, checksum_mode: str = "inline", lease: bool = True):
-    """Shared body of `Sender.migrate`: dedupe query (when asked), export, send. The phases of
+    """Shared body of `Sender.migrate`: dedupe query (when asked, and the payload is above
+    `inline_bytes`: a small one goes in one round trip), export, send. The phases of
     the last successful migration (query, export, wire and the receiver's RECEIVER_PHASES, in ms)
     are left in `sender.last_phases`.
 
@@ -136,10 +151,10 @@ def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *,
     t0 = time.perf_counter()
     plan = sender.plan or sender.connect()
     reuse: list[int] = []
-    if dedupe:
-        t = manager.table(seq_id)
-        reuse = sender.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
     c = sender.config
+    t = manager.table(seq_id)
+    if dedupe and payload_estimate(manager, t.num_computed) > c.inline_bytes:
+        reuse = sender.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
     cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=checksum_mode, lease_s=c.lease_s, lease=lease)
     phases = sender.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
     for attempt in range(2):

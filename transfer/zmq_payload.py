@@ -61,7 +61,7 @@ class PayloadMixin:
         return self._end(ident, peer, token) if peer.landed else None
 
     def _chunk(self, ident: bytes, peer, f: int, c: int, cs: int) -> None:
-        s, sock = peer.session, self.sock
+        s, sock, t0 = peer.session, self.sock, time.perf_counter()
         try:
             bufs = s.chunk_buffers(f, c)
         except TransferError as e:
@@ -79,10 +79,14 @@ class PayloadMixin:
                     pos += b.nbytes
         if self._drain():
             return self._fail(ident, peer, MalformedMessage("data message with extra parts"))
+        t1 = time.perf_counter()
         try:
             s.chunk_done(f, c, n, bufs, cs)
         except TransferError as e:
             return self._fail(ident, peer, e)
+        tm = s.timings  # the same phases as the data stream's reader reports
+        tm["land_ms"] = tm.get("land_ms", 0.0) + (t1 - t0) * 1e3
+        tm["verify_ms"] = tm.get("verify_ms", 0.0) + (time.perf_counter() - t1) * 1e3
         return None
 
     def _end(self, ident: bytes, peer, token: int) -> ImportResult | None:

@@ -1,7 +1,7 @@
 """ZeroMQ receiver (decode side): a ROUTER socket serving handshakes and dedupe queries
 (`zmq_handshake`) and imports into one pool (their ends: `zmq_payload`); the wire format is in
-`transfer.zmq_wire`. Chunks land in the
-reserved blocks with `recv_into` while ZeroMQ's I/O thread already reads the next one. A failed
+`transfer.zmq_wire`. Payloads land in the reserved blocks from the data stream's reader threads
+(`stream_receiver`) or, for small ones and data_plane "zmq", from this socket. A failed
 transfer is aborted (reservation released), nacked, counted, and its error raised from `poll`.
 Manifests and dedupe queries pass `admission` (transfer.admission) before anything is allocated.
 """
@@ -43,16 +43,14 @@ class _Peer:
     the per-message walks over transfers never touch the many idle connections)."""
 
     def __init__(self, ident: bytes, active: dict) -> None:
-        self._ident, self._active = ident, active
-        self._session: ImportSession | None = None
+        self._ident, self._active, self._session = ident, active, None
         self.plan: CompatPlan | None = None
         self.name = ""  # the sender's name from its handshake
         self.landing = None  # the session's payload landing on the data stream (stream_receiver)
         self.final: Final | None = None  # a streamed migration's closing state (None: not yet / not one)
         self.awaits_final = False        # streamed migration: commit only after `final` and the payload
         self.landed = False              # its payload finished landing while `final` was still missing
-        self.token = -1
-        self.t0 = 0.0
+        self.token, self.t0 = -1, 0.0
 
     @property
     def session(self) -> ImportSession | None:
@@ -74,8 +72,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
                  metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
         config = config or TransportConfig()
         self.manager, self.config, self.stage, self.admission = manager, config, stage, admission
-        self.epochs = epochs if epochs is not None else EpochGuard()
-        self.metrics = metrics or DEFAULT_METRICS
+        self.epochs, self.metrics = epochs if epochs is not None else EpochGuard(), metrics or DEFAULT_METRICS
         self.ctx = zmq.Context(io_threads=config.io_threads)
         s = self.sock = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
@@ -136,12 +133,10 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
 
     def in_flight(self) -> dict[str, list[int]]:
         """Transfer id -> receiver blocks reserved by an import still landing (not yet committed)."""
-        return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.active.values()
-                if p.session is not None}
+        return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.active.values()}
 
     def close(self) -> None:
-        for ident in list(self.peers):
-            p = self.peers[ident]
+        for p in list(self.peers.values()):
             if p.landing is not None:  # NOTE: its reader stops before the blocks are freed
                 self.streams.cancel(p.landing)
                 p.landing = None
@@ -292,7 +287,8 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             return self._refuse(ident, header, MalformedMessage("no data stream here"))
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
-                                    stage=self.stage, make_room=getattr(self.admission, "make_room", None))
+                                    stage=self.stage, make_room=getattr(self.admission, "make_room", None),
+                                    local_dedupe_bytes=self.config.inline_bytes)
         except TransferError as e:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise

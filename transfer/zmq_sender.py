@@ -1,7 +1,8 @@
 """ZeroMQ sender (prefill side): a DEALER socket connected to one receiver; the wire format is in
 `transfer.zmq_wire`. `connect` does the once-per-connection handshake, `query` the dedupe
 question, `send` streams one export (each chunk hashed, then sent zero-copy from pool memory or
-a staging slot) and waits for the ack, and `migrate` strings them together. Every wait is a
+a staging slot: on the data stream, or behind the manifest on this socket when the payload is
+at most `inline_bytes`) and waits for the ack, and `migrate` strings them together. Every wait is a
 bounded poll. On an ack or nack the export's lease is released; on a timeout the connection is
 reset and the lease is left to expire (the receiver may or may not have committed).
 """
@@ -149,8 +150,9 @@ class ZmqSender:
                  for f, c, view, slot in exported.chunks())
         if fault is not None:  # chaos benchmark: after hashing, so a flipped copy fails its checksum
             bodies, items = self.faults.manifest(fault, bodies[0]), self.faults.chunks(fault, items)
-        if self.stream is not None:
+        if self.stream is not None and m.payload_bytes > self.config.inline_bytes:
             return self._send_streamed(exported, token, bodies, items, deadline)
+        # control socket: the data-plane "zmq", or a payload small enough to follow its manifest
         try:
             for body in bodies:
                 sock.send_multipart([TOKEN.pack(b"M", token), body])
