@@ -5,6 +5,8 @@ which sender blocks can be skipped because the receiver already holds every toke
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvcache.manager import blocks_for
 from protocol.prefix_hash import hash_chain
 
@@ -16,10 +18,18 @@ def prefix_hashes_at(token_ids, block_size: int, extra_key: str | None = None) -
 
 
 def skipped_blocks(num_tokens: int, block_size: int, reuse: set[int], reuse_block_size: int) -> list[bool]:
-    """For each sender block: True when every token in it lies in a reused receiver block."""
-    out = []
-    for s in range(blocks_for(num_tokens, block_size)):
-        lo, hi = s * block_size, min((s + 1) * block_size, num_tokens)
-        out.append(bool(reuse) and all(j in reuse for j in range(lo // reuse_block_size,
-                                                                   (hi - 1) // reuse_block_size + 1)))
-    return out
+    """For each sender block: True when every token in it lies in a reused receiver block.
+    Vectorised: a sender block is skipped when the count of reused receiver blocks over the
+    range it spans (a prefix sum) equals the range's length."""
+    nb = blocks_for(num_tokens, block_size)
+    if not reuse or nb == 0:
+        return [False] * nb
+    R = reuse_block_size
+    held = np.zeros(blocks_for(num_tokens, R), dtype=np.int64)  # (receiver blocks,)
+    idx = np.fromiter((j for j in reuse if 0 <= j < held.size), dtype=np.int64)
+    held[idx] = 1
+    before = np.concatenate(([0], np.cumsum(held)))  # before[j]: reused receiver blocks < j
+    lo = np.arange(nb, dtype=np.int64) * block_size  # (sender blocks,) first token
+    hi = np.minimum(lo + block_size, num_tokens)     # one past the last token
+    first, stop = lo // R, (hi - 1) // R + 1          # receiver blocks [first, stop) it spans
+    return (before[stop] - before[first] == stop - first).tolist()
