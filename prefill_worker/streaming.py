@@ -1,8 +1,10 @@
 """Streamed migration on the prefill side, as a mixin of `PrefillHandler`: while a one-choice
 request's prompt is still being prefilled, its complete blocks are pinned (referenced until the
 transfer returns) and fed to the decode worker's transfer thread (`prefill_worker.shipper`), and
-once the prompt is computed the last blocks go with the first token's decode state. `Flight` is
-one migration on a transfer thread, streamed or whole. Runs on the loop thread.
+once the prompt is computed the last blocks go with the first token's decode state. Each attempt
+(target) of a request streams at most once: a stream that failed while the prompt was computing
+is not restarted, the request migrates whole after its prefill. `Flight` is one migration on a
+transfer thread, streamed or whole. Runs on the loop thread.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class StreamingMixin:
             if flight.feed is not None and not (flight.finalized or flight.cancelled) \
                     and rid not in self.engine.requests and rid not in self.engine.prefilled:
                 flight.cancel()
+        tried = self.__dict__.setdefault("_stream_tried", {})  # request id -> the target it streamed to
+        for rid in [rid for rid, target in tried.items() if self.targets.get(rid) is not target]:
+            del tried[rid]  # that attempt ended (finalized, superseded, aborted)
         for rid, target in self.targets.items():
             req = self.engine.requests.get(rid)
             if req is None or req.params.n != 1 or req.is_beam or len(req.seqs) != 1:
@@ -52,8 +57,9 @@ class StreamingMixin:
                 continue
             done = self.engine.computed_blocks(rid)[0]  # blocks whose K/V is complete
             if flight is None:
-                if not done or s.num_computed >= len(s.token_ids):
+                if not done or s.num_computed >= len(s.token_ids) or tried.get(rid) is target:
                     continue
+                tried[rid] = target
                 flight = self.inflight[rid] = Flight(None, feed=queue.SimpleQueue())
                 self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, [],
                                           flight.feed, list(s.token_ids), req.params.to_dict()))

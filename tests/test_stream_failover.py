@@ -7,6 +7,8 @@ and credit return, nothing is adopted) and the request is rerun on the other pre
 the local engine's greedy tokens, or, with no prefill worker left, fails with a 503. A decode
 worker killed mid-stream: the prefill worker finishes the prompt, keeps its blocks, and re-sends
 them to the other decode worker (no second prefill); the client gets the local engine's tokens.
+In process (no cluster): a stream that failed while its prompt computed is not restarted; the
+request migrates whole after its prefill.
 """
 
 from __future__ import annotations
@@ -207,6 +209,42 @@ def test_decode_killed_mid_stream_prefill_finishes_and_resends_to_another(ray_lo
         assert (prefill["prefills"], prefill["resends"], prefill["streamed_migrations"]) == (1, 1, 1)
     finally:
         srv.stop()
+
+
+def test_a_stream_that_failed_mid_prefill_is_not_restarted_the_request_migrates_whole():
+    """The prefill handler driven by hand (the transfer thread replaced by a list of jobs)."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+    from prefill_worker.handler import PrefillHandler, PrefillWorkerConfig
+    from prefill_worker.shipper import Shipped
+    from protocol.messages import Migrated, Submit
+    from transfer.errors import TransportClosed
+
+    engine = LLMEngine(EngineConfig(model="tiny", role="prefill", num_blocks=64, scheduler=STEP["scheduler"]))
+    handler = PrefillHandler(PrefillWorkerConfig("p", ""), engine)
+    jobs, events = [], []
+    handler.shipper.ship = jobs.append
+    try:
+        handler.handle(Submit("r", PROMPT, SamplingParams(max_tokens=4), "d", "tcp://127.0.0.1:9", 2), events)
+
+        def step() -> None:
+            handler.on_step(engine.step(), events)
+            handler.after_step(events)
+        step()
+        assert [j.feed is not None for j in jobs] == [True]  # offered after the first chunk
+        handler.handle(Shipped(jobs[0], TransportClosed("cut"), 0.0), events)
+        for _ in range(50):
+            if "r" not in engine.requests:
+                break
+            step()
+        assert [j.feed is not None for j in jobs] == [True, False]  # one stream, then one whole migration
+        assert (handler.streamed, handler.stream_fallbacks) == (1, 1)
+        totals = {"payload_bytes": 1, "blocks": 13, "reused_blocks": 0, "sequences": 1}
+        handler.handle(Shipped(jobs[1], None, 1.0, totals), events)
+        assert [e.request_id for e in events if isinstance(e, Migrated)] == ["r"]
+        assert engine.kv.usage()["used_blocks"] == 0  # pinned and held blocks all returned
+    finally:
+        handler.close()
 
 
 def _at_rest(srv: ClusterServer, failed: int, dead: tuple[str, ...]) -> dict:
