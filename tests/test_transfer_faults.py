@@ -38,7 +38,8 @@ def test_each_injected_fault_is_caught_or_harmless(gen, kind):
     served = Served(dst, auto_free=True, idle_timeout_s=2.0)
     faults = Faults(delay_s=0.05)
     # inline_bytes 0: this small payload takes the data stream, whose faults are under test
-    config = TransportConfig(address=served.rx.address, chunk_bytes=4096, transfer_timeout_s=5.0, inline_bytes=0)
+    config = TransportConfig(address=served.rx.address, chunk_bytes=4096, transfer_timeout_s=5.0,
+                             inline_bytes=0)
     tx = ZmqSender(src.storage.layout.fingerprint(), config, faults=faults)
     try:
         faults.arm(kind)

@@ -176,8 +176,8 @@ def test_stale_epoch_nack_reaches_sender_and_releases_lease(gen):
 def test_dedupe_miss_is_retried_in_full(gen):
     src, dst = pool(), pool()
     served = Served(dst, auto_free=True)  # imported sequences are freed: their blocks stay cached
-    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address, inline_bytes=0),
-                   metrics=TransferMetrics())  # inline_bytes 0: this small payload is queried first
+    config = TransportConfig(address=served.rx.address, inline_bytes=0)  # this small payload is queried first
+    tx = ZmqSender(src.storage.layout.fingerprint(), config, metrics=TransferMetrics())
     try:
         fill_random_sequence(src, "a", 64, gen)
         tx.migrate(src, "a", "r1", 1)

@@ -1,23 +1,28 @@
 """Export: one sequence's block table -> manifest + payload frames, straight from pool memory.
 
-Runs of blocks that are adjacent both logically and physically coalesce into one frame; on a
-CPU pool a frame is a memoryview over the pool (no gather copy). A device pool is read through
-pinned host staging (`transfer.staging`). The exported blocks get one extra reference (a lease)
-until `release()`: the transport calls it on the receiver's ack or nack, and a `LeaseTable`
-calls it when the lease expires, so a sequence freed mid-transfer cannot have its blocks reused
-under the wire. Call `release` on the thread that owns the manager (the allocator is not
-thread-safe).
+Runs of blocks that are adjacent both logically and physically coalesce into one frame; on a CPU
+pool a frame is a memoryview over the pool (no gather copy). A device pool is read through
+pinned host staging (`transfer.staging`). For a receiver with another block size the payload is
+re-blocked here into its blocks (`export_reblock`: one gather copy, no lease needed). The
+exported blocks get one extra reference (a lease) until `release()`: the transport calls it on
+the receiver's ack or nack, and a `LeaseTable` calls it when the lease expires, so a sequence
+freed mid-transfer cannot have its blocks reused under the wire. Call `release` on the thread
+that owns the manager (the allocator is not thread-safe).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
+
+import torch
 
 from kvcache.manager import KVCacheManager, blocks_for
 from transfer.blocks import skipped_blocks
 from transfer.checksum import checksum
 from transfer.codec import DEFAULT_LIMITS
+from transfer.export_reblock import gather_reblocked, receiver_runs
 from transfer.messages import DecodeState, FrameDesc, Manifest, validate_sampling
 from transfer.schema import Limits
 from transfer.staging import DeviceChunks, stage_all
@@ -86,14 +91,16 @@ class ExportedSequence:
 
 def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int,
                     state: DecodeState | dict | None = None, *, reuse=(), reuse_block_size: int = 0,
-                    config: ExportConfig | None = None,
-                    limits: Limits = DEFAULT_LIMITS) -> ExportedSequence:
+                    config: ExportConfig | None = None, limits: Limits = DEFAULT_LIMITS,
+                    frame_block_size: int = 0) -> ExportedSequence:
     """Build the manifest and frames for the computed tokens of `seq_id`.
 
     state: the decode state (default: the table's token ids, default sampling). Its token ids
     must start with the tokens that have KV. reuse / reuse_block_size: receiver logical blocks
     the receiver holds (from a dedupe query) and its block size; the sender blocks entirely
-    inside them are not sent. Raises ValueError on misuse (unknown or swapped sequence, no KV).
+    inside them are not sent. frame_block_size: the receiver's block size when it differs from
+    this pool's: the payload is re-blocked here (`export_reblock`) into receiver blocks, and
+    the reused ones are not sent. Raises ValueError on misuse (unknown or swapped sequence, no KV).
     """
     config = config or ExportConfig()
     storage = manager.storage
@@ -126,6 +133,16 @@ def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int
     blocks = t.blocks[:nb]
     hashes = t.block_hashes[:n // B] if len(t.block_hashes) >= n // B else \
         manager.prefix_hashes(t.token_ids[:n], t.extra_key)
+    if frame_block_size and frame_block_size != B:
+        if reuse and reuse_block_size != frame_block_size:
+            raise ValueError("reuse must be given in the receiver's blocks, the frames' block size")
+        manifest = Manifest(
+            request_id=str(request_id), epoch=int(epoch), fingerprint=storage.layout.fingerprint(),
+            num_tokens=n, block_tokens=tuple([B] * (nb - 1) + [n - (nb - 1) * B]),
+            block_hashes=tuple(hashes), frames=(), chunk_bytes=config.chunk_bytes, state=state,
+            checksum_mode=config.checksum_mode, extra_key=t.extra_key, reuse=tuple(reuse),
+            reuse_block_size=reuse_block_size if reuse else 0, frame_block_size=frame_block_size)
+        return _reblocked(manager, manifest, blocks, config)
     skip = skipped_blocks(n, B, set(reuse), reuse_block_size)
     bb = storage.layout.block_bytes
     max_run = max(1, config.max_frame_bytes // bb)
@@ -169,3 +186,24 @@ def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int
         manager.allocator.free_many(held[::-1])
         raise
     return ExportedSequence(manifest, frames, source, manager.allocator, held, config.lease_s)
+
+
+def _reblocked(manager: KVCacheManager, manifest: Manifest, blocks: list[int],
+               config: ExportConfig) -> ExportedSequence:
+    """The export of `manifest` (frames still empty) with its payload re-blocked into
+    manifest.frame_block_size-token blocks: one host copy, so no lease on the pool is taken."""
+    R, n = manifest.frame_block_size, manifest.num_tokens
+    reused = set(manifest.reuse)
+    sent = [j for j in range(blocks_for(n, R)) if j not in reused]
+    buf = gather_reblocked(manager.storage, blocks, n, R, sent).view(-1).view(torch.uint8).numpy()
+    rbb, cb = manager.storage.layout.token_bytes * R, config.chunk_bytes
+    frames, descs, pos = [], [], 0
+    for first, count in receiver_runs(sent, max(1, config.max_frame_bytes // rbb)):
+        view = memoryview(buf[pos:pos + count * rbb])
+        sums = tuple(checksum(view[c:c + cb]) for c in range(0, count * rbb, cb)) \
+            if config.checksum_mode == "manifest" else None
+        frames.append(view)
+        descs.append(FrameDesc(first, count, count * rbb, sums))
+        pos += count * rbb
+    return ExportedSequence(dataclasses.replace(manifest, frames=tuple(descs)), frames, None,
+                            manager.allocator, [], config.lease_s)

@@ -1,13 +1,13 @@
 """The read-only checks an import makes before it takes a single receiver block.
 
 `check_manifest` validates a manifest against the receiver's storage: fingerprint (per the
-connection's `CompatPlan`, or a fresh compatibility check), frame sizes, prefix hashes against
-the token ids, and that the frames cover exactly the sender blocks the receiver lacks.
-`check_reuse` then looks up the prefix blocks the manifest reuses and counts the fresh blocks
-the import needs against what the pool has available; `cached_prefix` finds the prefix this
-receiver holds already when the sender sent everything (a small transfer skips the dedupe
-query). Both raise a typed `TransferError` and change nothing; `importer.ImportSession` reserves
-the blocks only after both passed.
+connection's `CompatPlan`, or a fresh compatibility check), frame sizes (in sender blocks, or in
+receiver blocks when the sender re-blocked), prefix hashes against the token ids, and that the
+frames cover exactly the sender blocks the receiver lacks. `check_reuse` then looks up the
+prefix blocks the manifest reuses and counts the fresh blocks the import needs against what the
+pool has available; `cached_prefix` finds the prefix this receiver holds already when the sender
+sent everything (a small transfer skips the dedupe query). Both raise a typed `TransferError`
+and change nothing; `importer.ImportSession` reserves the blocks only after both passed.
 """
 
 from __future__ import annotations
@@ -28,15 +28,22 @@ class CheckedManifest:
     """What `check_manifest` worked out about a valid manifest.
 
     plan: the layout agreement (sender and receiver block sizes, whether to re-block).
-    sender_block_bytes: bytes of one sender block.
+    frame_block_size / frame_block_bytes: tokens and bytes of one block as the frames carry it
+      (the sender's block, or the receiver's when the sender re-blocked).
     sender_hashes: prefix hashes of the sequence's full blocks at the sender's block size.
-    sent: per sender logical block, whether a frame carries it (False: the receiver reuses it).
+    sent: per frame-sized logical block, whether a frame carries it (False: the receiver reuses it).
     """
 
     plan: CompatPlan
-    sender_block_bytes: int
+    frame_block_size: int
+    frame_block_bytes: int
     sender_hashes: list[int]
     sent: list[bool]
+
+    @property
+    def direct(self) -> bool:
+        """The frames carry receiver-sized blocks: they land straight in the reserved blocks."""
+        return self.frame_block_size == self.plan.dst_block_size
 
 
 def check_manifest(manifest: Manifest, storage: KVStorage | None, block_size: int,
@@ -51,11 +58,15 @@ def check_manifest(manifest: Manifest, storage: KVStorage | None, block_size: in
     if plan.dst_block_size != block_size:
         raise FingerprintMismatch("the connection's plan was agreed for another block size")
     sender_size, receiver_size = plan.src_block_size, plan.dst_block_size
-    sender_block_bytes = storage.layout.token_bytes * sender_size
+    if manifest.frame_block_size not in (0, receiver_size):
+        raise MalformedMessage(f"frames re-blocked to {manifest.frame_block_size} tokens, "
+                               f"receiver uses {receiver_size}")
+    frame_size = manifest.frame_block_size or sender_size
+    frame_block_bytes = storage.layout.token_bytes * frame_size
     for i, frame in enumerate(manifest.frames):
-        if frame.nbytes != frame.num_blocks * sender_block_bytes:
+        if frame.nbytes != frame.num_blocks * frame_block_bytes:
             raise MalformedMessage(f"frame {i}: {frame.nbytes} bytes for {frame.num_blocks} blocks "
-                                   f"of {sender_block_bytes}")
+                                   f"of {frame_block_bytes}")
     num_tokens = manifest.num_tokens
     sender_hashes = prefix_hashes_at(manifest.state.token_ids[:num_tokens], sender_size, manifest.extra_key)
     if list(manifest.block_hashes) != sender_hashes:
@@ -63,13 +74,13 @@ def check_manifest(manifest: Manifest, storage: KVStorage | None, block_size: in
     if manifest.reuse and manifest.reuse_block_size != receiver_size:
         raise MalformedMessage(f"reuse given in blocks of {manifest.reuse_block_size}, "
                                f"receiver uses {receiver_size}")
-    sent = [False] * blocks_for(num_tokens, sender_size)
+    sent = [False] * blocks_for(num_tokens, frame_size)
     for frame in manifest.frames:
         sent[frame.first_block:frame.first_block + frame.num_blocks] = [True] * frame.num_blocks
-    skipped = skipped_blocks(num_tokens, sender_size, set(manifest.reuse), receiver_size or 1)
+    skipped = skipped_blocks(num_tokens, frame_size, set(manifest.reuse), receiver_size or 1)
     if sent != [not s for s in skipped]:
         raise MalformedMessage("frames do not cover exactly the blocks the receiver lacks")
-    return CheckedManifest(plan, sender_block_bytes, sender_hashes, sent)
+    return CheckedManifest(plan, frame_size, frame_block_bytes, sender_hashes, sent)
 
 
 def check_reuse(allocator: BlockAllocator, manifest: Manifest,

@@ -124,7 +124,7 @@ class ImportSession:
 
     def _setup_targets(self, stage: bool) -> None:
         storage = self.manager.storage
-        if self.plan.reblock or self.discard:  # staged; at commit only the fresh blocks are written
+        if not self.checked.direct or self.discard:  # staged; at commit only the fresh blocks are written
             self.staging = np.empty(self.manifest.payload_bytes, dtype=np.uint8)
             offsets = np.cumsum([0] + [frame.nbytes for frame in self.manifest.frames])
             self.frame_offset = [int(o) for o in offsets]
@@ -159,7 +159,7 @@ class ImportSession:
 
     def _segments(self, frame: int, chunk: int) -> list[tuple[int, int]]:
         return pool_segments(self.manifest.frames[frame], chunk, self.manifest.chunk_bytes,
-                             self.checked.sender_block_bytes, self.dst_blocks)
+                             self.checked.frame_block_bytes, self.dst_blocks)
 
     def chunk_done(self, frame: int, chunk: int, nbytes: int, bufs: list,
                    inline_checksum: int | None = None) -> None:
@@ -194,7 +194,7 @@ class ImportSession:
                 self.sink.synchronize()
             if self.staging is not None:
                 reblock_staged(self.manager.storage, self.staging, self.checked.sent, self.dst_blocks,
-                               self.reused, self.plan.src_block_size, manifest.num_tokens)
+                               self.reused, self.checked.frame_block_size, manifest.num_tokens)
             self.manager.adopt(self.seq_id, self.dst_blocks, manifest.state.token_ids[:manifest.num_tokens],
                                manifest.extra_key)
         except TransferError as e:

@@ -17,8 +17,9 @@ from transfer.checksum import ALGORITHM
 from transfer.errors import LimitExceeded, MalformedMessage
 from transfer.schema import U32, U64, Limits, get, get_int, get_packed, get_str, pack, require_keys
 
-PROTOCOL_VERSION = 4  # 2: the fingerprint names the model; 3: the handshake is signed;
-# 4: manifests are sealed with their checksum, and the handshake opens a raw data stream
+PROTOCOL_VERSION = 5  # 2: the fingerprint names the model; 3: the handshake is signed;
+# 4: manifests are sealed with their checksum, and the handshake opens a raw data stream;
+# 5: frames may carry blocks re-blocked by the sender (frame_block_size)
 MAX_EPOCH = (1 << 63) - 1
 FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout", "model")
 CHECKSUM_MODES = ("manifest", "inline")  # checksums in the frame descriptors, or in each chunk's header
@@ -92,6 +93,9 @@ class Manifest:
     reuse: receiver logical blocks (in units of `reuse_block_size`, the receiver's block size)
     that the receiver said it holds; the sender blocks they cover are not sent.
     frames: payload frames in logical order; blocks not covered by a frame are reused ones.
+    frame_block_size: 0 when frames carry sender blocks; the receiver's block size when the
+    sender re-blocked the payload into receiver blocks (frames then count receiver blocks, and
+    the receiver lands them straight in its own blocks).
     """
 
     request_id: str
@@ -107,6 +111,7 @@ class Manifest:
     extra_key: str | None = None
     reuse: tuple[int, ...] = ()
     reuse_block_size: int = 0
+    frame_block_size: int = 0
     version: int = PROTOCOL_VERSION
 
     @property
@@ -130,14 +135,14 @@ class Manifest:
                 "frames": frames, "chunk_bytes": self.chunk_bytes, "checksum": ALGORITHM,
                 "checksum_mode": self.checksum_mode, "extra_key": self.extra_key,
                 "reuse": pack(self.reuse, U32), "reuse_block_size": self.reuse_block_size,
-                "state": self.state.to_wire()}
+                "frame_block_size": self.frame_block_size, "state": self.state.to_wire()}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> Manifest:
         what = "manifest"
         require_keys(wire, {"v", "kind", "request_id", "epoch", "fingerprint", "num_tokens", "block_tokens",
                             "block_hashes", "frames", "chunk_bytes", "checksum", "checksum_mode", "extra_key",
-                            "reuse", "reuse_block_size", "state"}, what)
+                            "reuse", "reuse_block_size", "frame_block_size", "state"}, what)
         fingerprint = validate_fingerprint(get(wire, "fingerprint", what), limits)
         block_size = fingerprint["block_size"]
         num_tokens = get_int(wire, "num_tokens", 1, limits.max_tokens, what)
@@ -163,7 +168,9 @@ class Manifest:
         if reuse.size and ((reuse[1:] <= reuse[:-1]).any() or (int(reuse[-1]) + 1) * reuse_size > num_tokens):
             raise MalformedMessage(f"{what}: reuse must list distinct full receiver blocks "
                                    "in increasing order")
-        frames = _frames_from_wire(get(wire, "frames", what), num_blocks, chunk, mode, limits)
+        frame_size = get_int(wire, "frame_block_size", 0, limits.max_block_size, what)
+        frame_blocks = -(-num_tokens // frame_size) if frame_size else num_blocks
+        frames = _frames_from_wire(get(wire, "frames", what), frame_blocks, chunk, mode, limits)
         state = DecodeState.from_wire(get(wire, "state", what), limits)
         if len(state.token_ids) < num_tokens:
             raise MalformedMessage(f"{what}: {len(state.token_ids)} token ids for {num_tokens} "
@@ -174,7 +181,8 @@ class Manifest:
                    block_hashes=tuple(hashes.tolist()), frames=frames, chunk_bytes=chunk, state=state,
                    checksum_mode=mode,
                    extra_key=get_str(wire, "extra_key", limits.max_id_len, what, optional=True),
-                   reuse=tuple(reuse.tolist()), reuse_block_size=reuse_size, version=wire["v"])
+                   reuse=tuple(reuse.tolist()), reuse_block_size=reuse_size, frame_block_size=frame_size,
+                   version=wire["v"])
 
 
 def _frames_from_wire(raw, num_blocks: int, chunk: int, mode: str, limits: Limits) -> tuple[FrameDesc, ...]:

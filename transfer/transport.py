@@ -136,7 +136,8 @@ def payload_estimate(manager, num_tokens: int) -> int:
 def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
             leases=None, timeout: float | None = None, checksum_mode: str = "inline", lease: bool = True):
     """Shared body of `Sender.migrate`: dedupe query (when asked, and the payload is above
-    `inline_bytes`: a small one goes in one round trip), export, send. The phases of
+    `inline_bytes`: a small one goes in one round trip), export (re-blocked here into the
+    receiver's block size when it differs), send. The phases of
     the last successful migration (query, export, wire and the receiver's RECEIVER_PHASES, in ms)
     are left in `sender.last_phases`.
 
@@ -161,7 +162,7 @@ def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *,
         t1 = time.perf_counter()
         ex = export_sequence(manager, seq_id, request_id, epoch, state, reuse=reuse,
                              reuse_block_size=plan.dst_block_size if reuse else 0, config=cfg,
-                             limits=c.limits)
+                             limits=c.limits, frame_block_size=plan.dst_block_size if plan.reblock else 0)
         if leases is not None:
             leases.add(ex)
         t2 = time.perf_counter()
