@@ -7,7 +7,9 @@ and credit return, nothing is adopted) and the request is rerun on the other pre
 the local engine's greedy tokens, or, with no prefill worker left, fails with a 503. A decode
 worker killed mid-stream: the prefill worker finishes the prompt, keeps its blocks, and re-sends
 them to the other decode worker (no second prefill); the client gets the local engine's tokens.
-In process (no cluster): a stream that failed while its prompt computed is not restarted; the
+A prefill worker frozen mid-stream (its stream open and silent): its rerun should land on the
+same decode worker (expected to fail until a newer epoch's offer supersedes the frozen stream on
+the receiver). In process (no cluster): a stream that failed while its prompt computed is not restarted; the
 request migrates whole after its prefill.
 """
 
@@ -207,6 +209,33 @@ def test_decode_killed_mid_stream_prefill_finishes_and_resends_to_another(ray_lo
         ws = _at_rest(srv, failed=0, dead=(victim,))
         prefill = ws["prefill-0"]
         assert (prefill["prefills"], prefill["resends"], prefill["streamed_migrations"]) == (1, 1, 1)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.xfail(strict=True, raises=urllib.error.HTTPError, reason="the decode worker refuses the rerun's "
+                   "offer (StaleEpoch: the frozen stream's epoch is in flight until its idle timeout, 10 s) "
+                   "and with no other decode worker the held KV has nowhere to go: 503")
+def test_prefill_frozen_mid_stream_its_rerun_lands_on_the_same_decode_worker(ray_local, local_engine):
+    import ray
+
+    want = cc.greedy_ids(local_engine, PROMPT, max_tokens=8, ignore_eos=True)
+    srv = ClusterServer(ClusterConfig(prefill=2, decode=1, num_blocks=128, heartbeat_timeout_s=3.0,
+                                      max_restarts=0, engine=STEP))
+    try:
+        port = srv.start()
+        prefills = ["prefill-0", "prefill-1"]
+        for name in prefills:
+            on(srv, name, _hold)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(cc.complete, port, {"prompt": PROMPT, **GREEDY})
+            victim, rid = held_stream(srv, prefills)
+            until(lambda: landing(srv, "decode-0"), "the offer landing")
+            on(srv, next(n for n in prefills if n != victim), _release)
+            ray.get(srv.backend.workers[victim].handle.inject_fault.remote("hang"), timeout=30)
+            got = fut.result(timeout=120)
+        assert got["choices"][0]["token_ids"] == want
+        _at_rest(srv, failed=0, dead=(victim,))
     finally:
         srv.stop()
 
