@@ -1,14 +1,16 @@
 """Streamed migration over the Ray transport, receiver side: a mixin of `RayReceiverEndpoint`
 (`transfer.ray_stream` is the sender and the header schema). `kv_offer` checks the sealed
-manifest, the handshake and admission (before any block is allocated) and opens an
-`ImportSession`, which reserves every block of the sequence; `kv_blocks` lands each chunk of a
-batch into the reserved blocks and verifies its inline xxh3 right after landing; `kv_final`
-checks that the closing state continues the offered sequence and that every batch the sender
-counted has landed, then commits (only then is the sequence adopted). Any error aborts the
-stream as a whole (every reserved block returned) and is answered by a nack, as is every later
-call of that stream. `expire_streams` aborts streams idle past `idle_timeout_s` or running past
-`max_transfer_s` (a prefill worker that died mid-stream); every call runs it, and an owner with
-a loop calls it each iteration. One stream at a time per connection; the owner's thread only.
+manifest, the handshake and admission (before any block is allocated), aborts an open stream of
+the same transfer id (no connection close tells a Ray receiver that a sender died: the newer
+attempt its reservation admits supersedes it) and opens an `ImportSession`, which reserves every
+block of the sequence; `kv_blocks` lands each chunk of a batch into the reserved blocks and
+verifies its inline xxh3 right after landing; `kv_final` checks that the closing state continues
+the offered sequence and that every batch the sender counted has landed, then commits (only then
+is the sequence adopted). Any error aborts the stream as a whole (every reserved block returned)
+and is answered by a nack, as is every later call of that stream. `expire_streams` aborts
+streams idle past `idle_timeout_s` or running past `max_transfer_s` (a prefill worker that died
+mid-stream and was not replaced); every call runs it, and an owner with a loop calls it each
+iteration. One stream at a time per connection; the owner's thread only.
 """
 
 from __future__ import annotations
@@ -175,6 +177,10 @@ class RayStreamMixin:
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer):
             self.metrics.record_error(refused())
             return self._refusal(conn, token, refused())  # NOTE: before any block is allocated
+        for other, st in list(self._streams().items()):  # NOTE: no connection close tells us a sender
+            if st.session.manifest.request_id == m.request_id:  # died: its admitted successor does
+                self._abort(other, st, TransportClosed(f"stream of {m.request_id!r} superseded by epoch "
+                                                       f"{m.epoch} from {peer!r}"))
         try:
             session = ImportSession(self.manager, m, plan, epochs=self.epochs, metrics=self.metrics,
                                     stage=self.stage, make_room=getattr(self.admission, "make_room", None))
