@@ -11,7 +11,7 @@ class ClusterConfig:
     prefill: int = 1                  # prefill workers
     decode: int = 1                   # decode workers
     transport: str = "zmq"            # how KV moves: 'zmq' or 'ray'
-    stream_migration: bool = True     # zmq: ship a prompt's KV while it is still being prefilled
+    stream_migration: bool = True     # ship a prompt's KV while it is still being prefilled
     model: str = "tiny"               # 'tiny' or a checkpoint directory
     block_size: int = 16              # KV block size (prefill workers; decode too unless decode_block_size)
     decode_block_size: int = 0        # decode workers' block size (0: block_size); migrations re-block

@@ -36,7 +36,7 @@ class PrefillWorkerConfig(WorkerConfig):
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
     hold_s: float = 30.0
     # ship a prompt's KV while it is still being computed: complete blocks leave after each prefill
-    # chunk and the last ones with the first token (zmq transport, CPU pools, one-choice requests;
+    # chunk and the last ones with the first token (zmq or ray transport, CPU pools, one-choice requests;
     # anything else, or a stream that fails, migrates whole once the prefill is done)
     stream_migration: bool = True
 

@@ -102,3 +102,20 @@ def test_migrate_reblocks_on_the_sender_over_zmq():
         tx.close()
         served.stop()
     assert torch.equal(served.kv["r"], kv_bytes(src, "a"))
+
+
+@pytest.mark.parametrize("reblock_on_sender", [False, True])
+def test_a_transfer_whose_every_block_is_reused_commits(reblock_on_sender):
+    """Nothing to send at 16 -> 8 (a zero-byte payload): the import shares every block."""
+    gen = torch.Generator().manual_seed(3)
+    src, dst = pool(16), pool(8)
+    fill_random_sequence(src, "a", 64, gen)
+    ex = export_sequence(src, "a", "ra", 1, frame_block_size=8)
+    import_sequence(dst, ex.manifest, ex.frames)
+    ex = export_sequence(src, "a", "rb", 1, reuse=list(range(8)), reuse_block_size=8,
+                         frame_block_size=8 if reblock_on_sender else 0)
+    assert ex.manifest.payload_bytes == 0
+    res = import_sequence(dst, ex.manifest, ex.frames)
+    assert (res.new_blocks, res.reused_blocks) == (0, 8)
+    assert torch.equal(kv(dst, "rb"), kv(src, "a"))
+    dst.check_integrity()

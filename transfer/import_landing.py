@@ -55,9 +55,11 @@ def reblock_staged(storage: KVStorage, staging: np.ndarray, sent: list[bool], ds
     for was_sent in sent:
         src_index.append(rows if was_sent else None)
         rows += was_sent
-    src = torch.from_numpy(staging).view(layout.torch_dtype)
-    # (S, L, 2, Bs, H, D): the sent sender blocks, in logical order
-    src = src.view(rows, layout.num_layers, 2, src_block_size, layout.num_kv_heads, layout.head_dim)
+    shape = (rows, layout.num_layers, 2, src_block_size, layout.num_kv_heads, layout.head_dim)
+    if rows == 0:  # every block was reused: nothing landed (reblock_copy still checks coverage)
+        src = torch.empty(shape, dtype=layout.torch_dtype)
+    else:  # (S, L, 2, Bs, H, D): the sent sender blocks, in logical order
+        src = torch.from_numpy(staging).view(layout.torch_dtype).view(shape)
     if storage.device.type != "cpu":
         src = src.to(storage.device)
     dst = [None if j in reused else block for j, block in enumerate(dst_blocks)]
