@@ -141,7 +141,9 @@ class PrefillSequence:
     end: int                    # one past its last row
     seq_len: int                # keys it attends (cached + new)
     blocks: torch.Tensor        # (nb,) int64 blocks holding keys 0..seq_len-1
-    mask: torch.Tensor | None   # (Q, seq_len) bool, key j visible to query i iff j <= context + i;
+    mask: torch.Tensor | None   # (Q, seq_len) additive, in the attention dtype: 0 where key j is
+                                # visible to query i (j <= context + i), else -inf (what SDPA would
+                                # make of a bool mask on every call, made once per step);
                                 # None when nothing was cached (plain causal)
 
 
@@ -181,7 +183,8 @@ def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: in
         mask = None
         if n > q:
             keys = torch.arange(n, device=device)  # (L,)
-            mask = keys[None, :] <= torch.arange(n - q, n, device=device)[:, None]  # (Q, L)
+            hidden = keys[None, :] > torch.arange(n - q, n, device=device)[:, None]  # (Q, L) bool
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
         prefill.append(PrefillSequence(starts[s], starts[s + 1], n, blocks, mask))
     T = starts[-1]
     decode_only = not prefill and len(groups) == 1 and groups[0].rows == slice(0, T)
@@ -204,7 +207,7 @@ def _decode_groups(seqs: list[int], starts: list[int], tables: list[list[int]], 
             members.append([])
             width = nb
         members[-1].append(s)
-    if heads is not None:
+    if heads is not None and members:
         Hq, Hkv = heads
         other = torch.arange(Hq, device=device)[:, None, None] // (Hq // Hkv) != \
             torch.arange(Hkv, device=device)[None, None, :]  # (Hq, 1, Hkv): key head is not the query's

@@ -38,6 +38,7 @@ class MirrorStep:
     rows: torch.Tensor | None           # (num,) packed-batch row of slot i (None: row i)
     positions: torch.Tensor             # (num,) position of slot i's new token
     bias: torch.Tensor                  # (num * Hkv, 1, length): 0, or -inf past a sequence's end
+    slots: torch.Tensor | None = None   # (num,) int64 0..num-1 (the new tokens' slots, built once)
 
 
 class DecodeMirror:
@@ -94,7 +95,8 @@ class DecodeMirror:
             (int64_tensor(fill_slots, device), int64_tensor(fill_blocks, device), width)
         return MirrorStep(num, length, self.positions, moves, fills,
                           None if by_slot == list(range(num)) else int64_tensor(by_slot, device),
-                          lens - 1, bias[:, None, :])  # bias: (num * Hkv, 1, L)
+                          lens - 1, bias[:, None, :],  # bias: (num * Hkv, 1, L)
+                          torch.arange(num, device=device))
 
     def prepare(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,7 +103,7 @@ def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: to
     step: MirrorStep = plan.mirror
     keys, values = meta.workspace.mirror.prepare(layer, k_cache, v_cache, step)  # (S, Hkv, P, D) each
     rows = step.rows if step.rows is not None else slice(0, step.num)
-    slots = torch.arange(step.num, device=q.device)
+    slots = step.slots
     keys[slots, :, step.positions] = key[rows].to(keys.dtype)  # the new tokens, in slot order
     values[slots, :, step.positions] = value[rows].to(values.dtype)
     o = _mirror_decode(q[rows], keys, values, step, scale)  # (num, Hq, D), slot order
