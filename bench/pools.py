@@ -35,10 +35,11 @@ def parse_kv_shape(spec: str) -> tuple[int, int, int, str]:
 
 
 def make_manager(layout: KVLayout, num_blocks: int, device: str = "cpu", prefix_caching: bool = True,
-                 prefault: bool = False) -> KVCacheManager:
+                 prefault: bool = False, shm: bool = False) -> KVCacheManager:
     """prefault: write every page of the pool once (a long-running worker's pool is mapped; a
-    fresh zeros tensor is not, and first-touch page faults would otherwise pollute timings)."""
-    storage = KVStorage(layout, num_blocks, device=device)
+    fresh zeros tensor is not, and first-touch page faults would otherwise pollute timings).
+    shm: the pool in a /dev/shm file, as a prefill worker on the Ray transport keeps it."""
+    storage = KVStorage(layout, num_blocks, device=device, shm=shm)
     if prefault:
         storage.data.view(torch.uint8).fill_(0)
     return KVCacheManager(BlockAllocator(num_blocks), layout.block_size, storage,

@@ -1,9 +1,10 @@
 """A Ray actor body that receives KV migrations into its own synthetic pool, for the migration
-benchmark and the Ray transport tests: `ray.remote(PoolReceiver).remote(layout_args, num_blocks)`.
-It is the runtime's `RayReceiverEndpoint` (so it answers `kv_hello`, `kv_query` and `kv_receive`
-exactly as a decode worker does) over a pool from `bench.pools`, plus a few calls the benchmark
-and tests need: the canonical digest of an imported sequence, freeing it (scrubbed, so a later
-transfer must rewrite the blocks, and uncached), warming the object store's mappings, and pool statistics.
+benchmark and the Ray transport tests: `ray.remote(PoolReceiver).remote(layout_args,
+num_blocks)`. It is the runtime's `RayReceiverEndpoint` (so it answers `kv_hello`, `kv_query`,
+`kv_receive` and `kv_receive_shm` exactly as a decode worker does) over a pool from
+`bench.pools`, plus a few calls the benchmark and tests need: the canonical digest of an
+imported sequence, freeing it (scrubbed, so a later transfer must rewrite the blocks, and
+uncached), warming the object store's mappings, and pool statistics.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ class PoolReceiver(RayReceiverEndpoint):
 
     def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
         """The endpoint's import; also keeps the timings of the last acknowledged transfer."""
-        reply = super().kv_receive(conn, manifest, *frames)
+        return self._keep_timings(super().kv_receive(conn, manifest, *frames))
+
+    def kv_receive_shm(self, conn: str, manifest: bytes, offsets: bytes) -> bytes:
+        return self._keep_timings(super().kv_receive_shm(conn, manifest, offsets))
+
+    def _keep_timings(self, reply: bytes) -> bytes:
         msg = decode(reply, self.config.limits)
         if isinstance(msg, Ack):
             self.last_timings = dict(msg.timings)

@@ -60,11 +60,13 @@ class KvQuery:
 
 @dataclass(frozen=True)
 class KvReceive:
-    """Ray transport: a manifest and its payload frames (zero-copy arrays from the object store)."""
+    """Ray transport: a manifest and its payload frames (zero-copy arrays from the object store),
+    or, from a same-node sender, the frames' offsets in its pool file (`transfer.ray_shm`)."""
 
     connection: str
     manifest: bytes
     frames: tuple
+    offsets: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ class DecodeHandler:
         elif isinstance(cmd, KvQuery):
             return self.receiver.kv_query(cmd.connection, cmd.data)
         elif isinstance(cmd, KvReceive):
-            reply, result = self.receiver.receive(cmd.connection, cmd.manifest, cmd.frames)
+            reply, result = self.receiver.receive(cmd.connection, cmd.manifest, cmd.frames, cmd.offsets)
             if result is not None:
                 self._imported(result, events)
             return reply

@@ -1,10 +1,11 @@
 """The decode worker's Ray actor: the worker runtime with the decode role handler.
 
-Besides the runtime's typed `command` entry point it exposes the Ray transport's calls (`kv_hello`,
-`kv_query`, `kv_receive`, and a streamed migration's `kv_offer`, `kv_blocks`, `kv_final`,
-`kv_cancel`: msgpack bytes in and out, payload frames as zero-copy arrays), each forwarded to the
-loop thread as a typed command, since every pool call happens there. Tokens, imports and
-refusals reach the coordinator in the runtime's `WorkerReport`s.
+Besides the runtime's typed `command` entry point it exposes the Ray transport's calls
+(`kv_hello`, `kv_query`, `kv_receive`, `kv_receive_shm` (same node: frames read from the
+sender's pool), and a streamed migration's `kv_offer`, `kv_blocks`, `kv_final`, `kv_cancel`:
+msgpack bytes in and out, payload frames as zero-copy arrays), each forwarded to the loop thread
+as a typed command, since every pool call happens there. Tokens, imports and refusals reach the
+coordinator in the runtime's `WorkerReport`s.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class DecodeWorker(WorkerActor):
 
     def kv_receive(self, connection: str, manifest: bytes, *frames) -> bytes:
         return self.loop.call(KvReceive(connection, manifest, frames))
+
+    def kv_receive_shm(self, connection: str, manifest: bytes, offsets: bytes) -> bytes:
+        return self.loop.call(KvReceive(connection, manifest, (), offsets))
 
     def kv_offer(self, connection: str, header: bytes, manifest: bytes) -> bytes:
         return self.loop.call(KvStream("ray_offer", connection, header, manifest))

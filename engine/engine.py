@@ -47,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
     decode_mirror: bool = True       # torch backend: decode reads a per-slot K/V buffer (2x KV memory)
+    kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
 
@@ -80,7 +81,7 @@ class LLMEngine:
         self.model_id = model_identity(self.model_config, self.model)
         kv_dtype = dtype_name(next(self.model.parameters()).dtype)
         layout = self.model_config.kv_layout(config.block_size, kv_dtype, self.model_id)
-        self.storage = KVStorage(layout, config.num_blocks, device=self.device, null_block=True)
+        self.storage = KVStorage(layout, config.num_blocks, self.device, null_block=True, shm=config.kv_shm)
         host = None if config.num_host_blocks <= 0 else \
             KVStorage(layout, config.num_host_blocks, device="cpu", pin_memory=self.device.type == "cuda")
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,

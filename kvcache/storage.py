@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 LAYOUT_NAME = "block-major/NL2BHD"
@@ -106,17 +107,24 @@ class KVStorage:
     """The pool tensor plus helpers to read and write it by block or by slot."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
-                 pin_memory: bool = False, null_block: bool = False):
-        """null_block: keep one extra zeroed block at id `num_blocks` (see `null_block_id`)."""
+                 pin_memory: bool = False, null_block: bool = False, shm: bool = False):
+        """null_block: keep one extra zeroed block at id `num_blocks` (see `null_block_id`).
+        shm: a CPU pool in a /dev/shm file (`shm_path`) that same-node peers can read."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = torch.device(device)
+        self.shm_path: str | None = None
         # (N + 1, L, 2, B, H, D) with a null block, else (N, L, 2, B, H, D)
-        self._blocks = torch.zeros((num_blocks + int(null_block), *layout.block_shape()),
-                                   dtype=layout.torch_dtype, device=self.device,
-                                   pin_memory=pin_memory and self.device.type == "cpu")
+        shape = (num_blocks + int(null_block), *layout.block_shape())
+        if shm and self.device.type == "cpu":
+            from kvcache.shm_pool import shm_tensor
+
+            self._blocks, self.shm_path = shm_tensor(shape, layout.torch_dtype)
+        else:
+            self._blocks = torch.zeros(shape, dtype=layout.torch_dtype, device=self.device,
+                                       pin_memory=pin_memory and self.device.type == "cpu")
         self.data = self._blocks[:num_blocks]  # (N, L, 2, B, H, D): the real blocks only
         self.null_block_id: int | None = num_blocks if null_block else None
 
@@ -169,6 +177,15 @@ class KVStorage:
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         blocks, offs = idx // self.layout.block_size, idx % self.layout.block_size
         return self.data[blocks, :, :, offs]  # (T, L, 2, H, D)
+
+    def shm_offset(self, buf) -> int | None:
+        """Byte offset of host buffer `buf` inside this pool's /dev/shm file (None: not in it)."""
+        if self.shm_path is None:
+            return None
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        start = arr.ctypes.data - self._blocks.data_ptr()
+        size = self._blocks.numel() * self._blocks.element_size()
+        return start if arr.nbytes and 0 <= start and start + arr.nbytes <= size else None
 
     def block_bytes_view(self, block: int, count: int = 1) -> memoryview:
         """Raw bytes of `count` physically adjacent blocks starting at `block` (CPU pools only)."""

@@ -66,7 +66,8 @@ class PrefillHandler(StreamingMixin):
         self.inflight: dict[str, Flight] = {}                # request id -> migration on a transfer thread
         keys = config.keys
         senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
-                             config.namespace, config.transfer_timeout_s, keys.secret if keys else "")
+                             config.namespace, config.transfer_timeout_s, keys.secret if keys else "",
+                             pool=engine.storage)
         self.faults = senders.faults  # what InjectFault arms (the chaos benchmark)
         self._shipped: list[Shipped] = []  # results not posted to a loop (before `attach`)
         self.shipper = Shipper(senders, engine.kv, self._shipped.append, gap_s=config.transfer_timeout_s)

@@ -17,3 +17,7 @@ class PrefillWorker(WorkerActor):
 
     def make_handler(self, config, engine):
         return PrefillHandler(config, engine)
+
+    def engine_options(self) -> dict:
+        # the Ray transport reads a same-node migration straight from the pool (transfer.ray_shm)
+        return {"kv_shm": self.config.transport == "ray"}

@@ -76,7 +76,7 @@ class WorkerActor:
         engine = dict(self.config.engine or {})
         engine["model"], self.model_source = resolve(engine.get("model", "tiny"), self.config.model_files,
                                                      prefer_local=not self.config.fetch_model)
-        self.engine = LLMEngine(EngineConfig(**{**engine, "role": self.role}))
+        self.engine = LLMEngine(EngineConfig(**{**engine, **self.engine_options(), "role": self.role}))
         self.handler = self.make_handler(self.config, self.engine)
         self._events = PushQueue(self.config.events_address, keys=self.config.keys)  # the loop thread's
         c = self.config
@@ -87,6 +87,10 @@ class WorkerActor:
 
     def make_handler(self, config, engine):
         raise NotImplementedError
+
+    def engine_options(self) -> dict:
+        """EngineConfig fields this role sets over the cluster's engine settings."""
+        return {}
 
     # ---- actor methods ----------------------------------------------------------------------------
     def command(self, data: bytes) -> bytes:

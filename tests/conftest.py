@@ -59,3 +59,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove /dev/shm pool files of worker processes the tests killed (kvcache.shm_pool)."""
+    from kvcache.shm_pool import shm_available, sweep_dead
+
+    if shm_available():
+        sweep_dead()

@@ -41,26 +41,29 @@ class Hello:
     nonce: str = ""
     tag: str = ""
     stream: str = ""  # the data stream this sender wants: "tcp", "ipc", or "" (payload in ZeroMQ frames)
+    pool_path: str = ""  # Ray transport: the sender's /dev/shm pool file, for a same-node receiver
 
     def signed_fields(self) -> list[str]:
-        return [json.dumps(self.fingerprint, sort_keys=True), self.peer, self.stream]
+        return [json.dumps(self.fingerprint, sort_keys=True), self.peer, self.stream, self.pool_path]
 
     def to_wire(self) -> dict:
         return {"v": PROTOCOL_VERSION, "kind": "hello", "fingerprint": dict(self.fingerprint),
                 "peer": self.peer, "issued_at": self.issued_at, "nonce": self.nonce, "tag": self.tag,
-                "stream": self.stream}
+                "stream": self.stream, "pool_path": self.pool_path}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> Hello:
         what = "hello"
-        require_keys(wire, {"v", "kind", "fingerprint", "peer", "issued_at", "nonce", "tag", "stream"}, what)
+        require_keys(wire, {"v", "kind", "fingerprint", "peer", "issued_at", "nonce", "tag", "stream",
+                            "pool_path"}, what)
         stream = get_str(wire, "stream", 8, what, "")
         if stream not in ("", "tcp", "ipc"):
             raise MalformedMessage(f"hello asks for an unknown data stream {stream[:8]!r}")
         return cls(validate_fingerprint(get(wire, "fingerprint", what), limits),
                    get_str(wire, "peer", limits.max_id_len, what),
                    get_float(wire, "issued_at", 0.0, 1e12, what, 0.0),
-                   get_str(wire, "nonce", 64, what, ""), get_str(wire, "tag", 128, what, ""), stream)
+                   get_str(wire, "nonce", 64, what, ""), get_str(wire, "tag", 128, what, ""), stream,
+                   get_str(wire, "pool_path", 200, what, ""))
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class HelloReply:
     fingerprint: dict
     peer: str = ""
     data_port: int = 0    # the receiver's data stream, when the hello asked for one: a TCP port on the
-    data_path: str = ""   # host the sender connected to, or a Unix socket path;
+    data_path: str = ""   # host the sender connected to, or a Unix socket path (Ray: the sender's
+                          # pool file, when this receiver mapped it: payloads are read from there);
     data_token: str = ""  # and the token (hex) that opens it, issued to this connection only
 
     def to_wire(self) -> dict:

@@ -1,16 +1,20 @@
-"""Ray transport: payload frames travel through Ray's object store, control through actor calls.
-Implements the contract in `transfer.transport`.
+"""Ray transport: control through actor calls; payload frames read straight from the sender's pool
+on one node, through Ray's object store across nodes. Implements `transfer.transport`.
 
-Sender side (`RaySender`): each frame, a numpy view over pool memory (or over a staging buffer
-for device pools), is an argument of one actor call beside the msgpack manifest; Ray copies it
-once into the object store (frames under 100 KiB travel inline with the call). Receiver side
+Same node (`ray_shm`): a sender whose pool lives in /dev/shm names the file in its handshake; a
+receiver that can map it answers with the same path, and each transfer then passes only the
+frames' byte offsets (`kv_receive_shm`), which the receiver copies from once into its blocks.
+Otherwise (another node, a device pool, a re-blocked copy, a chaos fault): sender side
+(`RaySender`): each frame, a numpy view over pool memory (or over a staging buffer for device
+pools), is an argument of one actor call beside the msgpack manifest; Ray copies it once into
+the object store (frames under 100 KiB travel inline with the call). Receiver side
 (`RayReceiverEndpoint`, a plain object living inside the decode worker's actor): Ray hands the
 frames over as read-only numpy arrays mapped from shared memory (zero-copy), which
-`import_sequence` copies once into the reserved blocks. Our own messages cross as msgpack
-bytes; Ray serializes the call itself. The receiving actor exposes `kv_hello(conn, bytes)`,
-`kv_query(conn, bytes)` and `kv_receive(conn, manifest, *frames)`, each returning msgpack bytes,
-and for streamed migrations (`ray_stream`, `ray_stream_receiver`) `kv_offer`, `kv_blocks`,
-`kv_final` and `kv_cancel`.
+`import_sequence` copies once into the reserved blocks. Our own messages cross as msgpack bytes;
+Ray serializes the call itself. The receiving actor exposes `kv_hello(conn, bytes)`,
+`kv_query(conn, bytes)`, `kv_receive(conn, manifest, *frames)` and `kv_receive_shm(conn,
+manifest, offsets)`, each returning msgpack bytes, and for streamed migrations (`ray_stream`,
+`ray_stream_receiver`) `kv_offer`, `kv_blocks`, `kv_final` and `kv_cancel`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from transfer.export import ExportedSequence
 from transfer.importer import ImportResult, import_sequence
 from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.ray_shm import encode_offsets, open_peer_pool, pool_offsets
 from transfer.ray_stream import migrate_streamed
 from transfer.ray_stream_receiver import RayStreamMixin
 from transfer.reblock import CompatPlan, check_compatible
@@ -52,6 +57,7 @@ class RayReceiverEndpoint(RayStreamMixin):
         self.fingerprint = manager.storage.layout.fingerprint()
         self.plans: dict[str, tuple[CompatPlan, str]] = {}  # connection -> (plan, sender's name)
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
+        self.pools: dict[str, object] = {}  # connection -> its same-node sender's pool (ray_shm.PeerPool)
         self._init_streams()
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
@@ -68,9 +74,15 @@ class RayReceiverEndpoint(RayStreamMixin):
         except TransferError as e:
             return self._nack(e)
         if len(self.plans) >= 4096:
-            self.plans.pop(next(iter(self.plans)))
+            oldest = next(iter(self.plans))
+            self.plans.pop(oldest)
+            self.pools.pop(oldest, None)
         self.plans[str(conn)] = (plan, hello.peer)
-        return encode(HelloReply(self.fingerprint, self.config.peer_name))
+        pool = open_peer_pool(hello.pool_path)
+        if pool is not None:
+            self.pools[str(conn)] = pool
+        path = pool.path if pool is not None else ""
+        return encode(HelloReply(self.fingerprint, self.config.peer_name, data_path=path))
 
     def kv_query(self, conn: str, data: bytes) -> bytes:
         try:
@@ -89,9 +101,15 @@ class RayReceiverEndpoint(RayStreamMixin):
         """The actor-facing call: the reply bytes only (see `receive`)."""
         return self.receive(conn, manifest, frames)[0]
 
-    def receive(self, conn: str, manifest: bytes, frames) -> tuple[bytes, ImportResult | None]:
+    def kv_receive_shm(self, conn: str, manifest: bytes, offsets: bytes) -> bytes:
+        """Same node: the frames lie at `offsets` in the sender's pool file (see `receive`)."""
+        return self.receive(conn, manifest, (), offsets)[0]
+
+    def receive(self, conn: str, manifest: bytes, frames, offsets: bytes | None = None
+                ) -> tuple[bytes, ImportResult | None]:
         """Import one transfer: the reply for the sender, and the committed import (None on a nack),
-        which the owner joins to its batch exactly as it does a ZeroMQ receiver's `poll` result."""
+        which the owner joins to its batch exactly as it does a ZeroMQ receiver's `poll` result.
+        offsets: the frames' places in the sender's pool file (same node) instead of `frames`."""
         t0 = time.perf_counter()
         try:
             m = decode(unseal(manifest), self.config.limits, Manifest)
@@ -104,6 +122,14 @@ class RayReceiverEndpoint(RayStreamMixin):
         plan, peer = entry
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer):
             return self._nack(refused()), None  # NOTE: before any block is allocated; no detail echoed
+        if offsets is not None:
+            try:
+                pool = self.pools.get(str(conn))
+                if pool is None:
+                    raise HandshakeRequired("pool offsets on a connection without a mapped sender pool")
+                frames = pool.frames(m, offsets)
+            except TransferError as e:
+                return self._nack(e, m.request_id, m.epoch), None
         try:
             make_room = getattr(self.admission, "make_room", None)
             res = import_sequence(self.manager, m, list(frames), plan, epochs=self.epochs,
@@ -119,8 +145,10 @@ class RaySender:
     """Prefill side: one connection to a receiving actor (any actor exposing the kv_* methods)."""
 
     def __init__(self, fingerprint: dict, actor, config: TransportConfig | None = None, *,
-                 metrics: TransferMetrics | None = None, faults=None):
+                 metrics: TransferMetrics | None = None, faults=None, pool=None):
         self.fingerprint, self.actor = dict(fingerprint), actor
+        self.pool = pool  # this side's KVStorage: in /dev/shm, a same-node receiver reads frames from it
+        self.shm = False  # the receiver mapped our pool at the handshake
         self.faults = faults  # transfer.faults.Faults (chaos benchmark), or None
         self.config = config or TransportConfig(checksum_mode="manifest")
         self.metrics = metrics or DEFAULT_METRICS
@@ -143,10 +171,12 @@ class RaySender:
         raise err
 
     def connect(self, timeout: float | None = None) -> CompatPlan:
-        hello = encode(make_hello(self.fingerprint, self.config))
+        path = getattr(self.pool, "shm_path", None) or ""
+        hello = encode(make_hello(self.fingerprint, self.config, pool_path=path))
         data = self._get(self.actor.kv_hello.remote(self.conn, hello),
                          timeout or self.config.connect_timeout_s, "handshake reply")
         reply = _reply_of(self, data, HelloReply)
+        self.shm = bool(path) and reply.data_path == path
         try:
             self.plan = check_compatible(self.fingerprint, reply.fingerprint)
         except TransferError as e:
@@ -187,10 +217,13 @@ class RaySender:
             err = TransferTimeout(f"no ack from the receiving actor within {timeout}s")
             self.metrics.record_error(err)
             raise err
-        # Ray copies each frame into its object store when the call is submitted (small ones travel
-        # inline with the call); the receiver reads them zero-copy from shared memory.
-        args = [np.frombuffer(f, dtype=np.uint8) for _, f in frames]
-        calls = [self.actor.kv_receive.remote(self.conn, body, *args) for body in bodies]
+        offsets = pool_offsets(self.pool, exported.frames) if self.shm and fault is None else None
+        if offsets is not None:  # same node: the receiver copies the frames out of our pool file
+            calls = [self.actor.kv_receive_shm.remote(self.conn, bodies[0], encode_offsets(offsets))]
+        else:  # Ray copies each frame into its object store when the call is submitted (small ones
+            # travel inline with the call); the receiver reads them zero-copy from shared memory
+            args = [np.frombuffer(f, dtype=np.uint8) for _, f in frames]
+            calls = [self.actor.kv_receive.remote(self.conn, body, *args) for body in bodies]
         data = self._get(calls[-1], timeout, "ack")  # timeout: lease kept
         try:
             ack = _reply_of(self, data, Ack)

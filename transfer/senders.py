@@ -16,11 +16,12 @@ from transfer.transport import TransportConfig
 
 class SenderPool:
     def __init__(self, peer_name: str, transport: str, fingerprint: dict, namespace: str = "",
-                 transfer_timeout_s: float = 30.0, secret: str = ""):
+                 transfer_timeout_s: float = 30.0, secret: str = "", pool=None):
         if transport not in ("zmq", "ray"):
             raise ValueError(f"transport must be 'zmq' or 'ray', got {transport!r}")
         self.peer_name, self.transport, self.fingerprint = peer_name, transport, dict(fingerprint)
         self.namespace, self.transfer_timeout_s, self.secret = namespace, transfer_timeout_s, secret
+        self.pool = pool  # the worker's KVStorage (Ray: a /dev/shm pool is read in place on one node)
         self._senders: dict[str, object] = {}
         self.faults = Faults()  # armed by the chaos benchmark (InjectFault); idle otherwise
 
@@ -37,7 +38,7 @@ class SenderPool:
 
                 from transfer.ray_transport import RaySender
                 sender = RaySender(self.fingerprint, ray.get_actor(name, namespace=self.namespace), config,
-                                   faults=self.faults)
+                                   faults=self.faults, pool=self.pool)
             else:
                 from transfer.zmq_transport import ZmqSender
                 sender = ZmqSender(self.fingerprint, config, faults=self.faults)

@@ -89,19 +89,20 @@ class TransportConfig:
             raise ValueError(f"inline_bytes must be >= 0, got {self.inline_bytes}")
 
 
-def make_hello(fingerprint: dict, config: TransportConfig, stream: str = ""):
+def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", pool_path: str = ""):
     """This sender's handshake, signed when the config carries the cluster secret."""
+    import dataclasses
     import time
 
     from protocol.curve import hmac_sign, new_nonce
     from transfer.messages import Hello
 
-    hello = Hello(dict(fingerprint), config.peer_name, stream=stream)
+    hello = Hello(dict(fingerprint), config.peer_name, stream=stream, pool_path=pool_path)
     if not config.secret:
         return hello
     issued_at, nonce = time.time(), new_nonce()
-    return Hello(hello.fingerprint, hello.peer, issued_at, nonce,
-                 hmac_sign(config.secret, hello.signed_fields(), issued_at, nonce), stream)
+    return dataclasses.replace(hello, issued_at=issued_at, nonce=nonce,
+                               tag=hmac_sign(config.secret, hello.signed_fields(), issued_at, nonce))
 
 
 def hello_is_genuine(hello, config: TransportConfig, seen: dict) -> bool:
