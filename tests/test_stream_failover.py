@@ -101,18 +101,19 @@ def until(probe, what: str, timeout_s: float = 60.0):
 
 
 def kill(srv: ClusterServer, name: str) -> None:
-    """Kill a worker's actor and wait (bounded) until it no longer answers."""
+    """Kill a worker's actor and wait (bounded) until its process is gone or a zombie: Ray may call
+    the actor dead while the process still runs (and could still commit a stream) for a moment."""
     import ray
 
-    handle = srv.backend.workers[name].handle
-    ray.kill(handle, no_restart=True)
+    pid = srv.backend.workers[name].info["pid"]
+    ray.kill(srv.backend.workers[name].handle, no_restart=True)
 
     def gone() -> bool:
         try:
-            ray.get(handle.__ray_ready__.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
             return True
-        return False
     until(gone, f"{name} to die")
 
 
