@@ -23,18 +23,14 @@ the small points) and plots it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
-import msgpack
 import numpy as np
 import torch
-import zmq
 
 from bench.baselines import Baselines
+from bench.migrate_peer import PeerProcess
 from bench.pools import fill_random_sequence, kv_digest, make_manager, parse_kv_shape
 from kvcache.manager import blocks_for
 from kvcache.storage import KVLayout
@@ -44,8 +40,10 @@ from transfer.transport import TransportConfig, ipc_address
 from transfer.zmq_wire import DATA
 
 # zmq-tcp / zmq-ipc: ZeroMQ control + the raw data stream (the default data plane);
-# zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq").
-TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "ray")
+# zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq");
+# ray: actor calls, the payload read from the sender's /dev/shm pool (same node, transfer.ray_shm);
+# ray-store: the same actor, the payload through the object store (what another node gets).
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "ray", "ray-store")
 
 
 @dataclass(frozen=True)
@@ -66,45 +64,6 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(tokens=(256, 1024, 2048), repeats=4, warmup=2)
-
-
-class PeerProcess:
-    """The receiving process for ZeroMQ points and the raw_tcp baseline, driven over REQ/REP."""
-
-    def __init__(self, timeout: float = 120.0):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.REQ)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.migrate_peer", "--control",
-                                      f"tcp://127.0.0.1:{port}"], env=env)
-        self.timeout = timeout
-        self.call(cmd="ping")
-
-    def call(self, **cmd) -> dict:
-        self.sock.send(msgpack.packb(cmd, use_bin_type=True))
-        deadline = time.monotonic() + self.timeout
-        while not self.sock.poll(200):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bench peer did not answer {cmd.get('cmd')!r} (exit {self.proc.poll()})")
-        reply = msgpack.unpackb(self.sock.recv(), raw=False)
-        if reply.get("error"):
-            raise RuntimeError(f"bench peer: {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        try:
-            self.call(cmd="quit")
-        except RuntimeError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.sock.close(0)
-        self.ctx.term()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -131,21 +90,29 @@ class _Receivers:
                     s = ZmqSender(fp, cfg)
                     s.connect()
                     self.senders[name] = s
-        if "ray" in transports:
+        if any(t.startswith("ray") for t in transports):
             import ray
 
             from bench.ray_receiver import PoolReceiver
             from transfer.ray_transport import RaySender
 
             self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
-            s = RaySender(fp, self.actor, TransportConfig(chunk_bytes=chunk_bytes, checksum_mode="manifest"))
-            s.connect(timeout=120)
-            self.senders["ray"] = s
+            for name in [t for t in transports if t.startswith("ray")]:  # pool: set per point (`use`)
+                cfg = TransportConfig(chunk_bytes=chunk_bytes, checksum_mode="manifest", inline_bytes=0)
+                self.senders[name] = RaySender(fp, self.actor, cfg)
             _warm_object_store(self.actor, ray_store_bytes)
+
+    def use(self, transport: str, src) -> None:
+        """Point the `ray` sender at this point's sender pool (its handshake maps the pool file)."""
+        if transport == "ray":
+            self.senders[transport].pool = src.storage
+        if transport.startswith("ray"):
+            self.senders[transport].connect(timeout=120)
+            assert self.senders[transport].shm == (transport == "ray"), "same-node path not taken"
 
     def finish(self, transport: str, request_id: str) -> tuple[int | None, dict]:
         """Digest of the imported sequence on the receiver (then freed there)."""
-        if transport == "ray":
+        if transport.startswith("ray"):
             import ray
 
             digest = ray.get(self.actor.digest.remote(request_id), timeout=120)
@@ -181,7 +148,7 @@ def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: in
              timeline: list | None = None, origin: float = 0.0) -> dict:
     """One point; appends each timed migration's spans to `timeline` (times from `origin`)."""
     sender = recv.senders[transport]
-    mode = "manifest" if transport == "ray" else "inline"
+    mode = "manifest" if transport.startswith("ray") else "inline"
     ecfg = ExportConfig(chunk_bytes=cfg.chunk_bytes, checksum_mode=mode)
     lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
     for r in range(cfg.warmup + cfg.repeats):
@@ -228,11 +195,13 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
     try:
         for T in cfg.tokens:
             # A fresh sender pool per point: its blocks are contiguous, so the payload is one frame
-            # (the receiver's pool is reused across points and fragments as a real one does).
-            src = make_manager(KVLayout(*layout_args), blocks_for(T, B) + 2)
+            # (the receiver's pool is reused across points and fragments as a real one does). In
+            # /dev/shm, as a Ray prefill worker's pool is (the zmq paths read it the same way).
+            src = make_manager(KVLayout(*layout_args), blocks_for(T, B) + 2, shm=True)
             fill_random_sequence(src, "s", T, gen)
             digest = kv_digest(src, "s")
             for transport in cfg.transports:
+                recv.use(transport, src)
                 row = {"transport": transport, "kv_shape": shape_name, "tokens": T, "block_size": B}
                 spans: list = []
                 row.update(_measure(cfg, recv, transport, src, digest, f"{transport}-{shape_name}-{B}-{T}",
@@ -272,7 +241,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     origin = time.perf_counter()
     try:
         base = Baselines(peer, cfg.repeats, log) if cfg.baselines else None
-        if "ray" in cfg.transports:
+        if any(t.startswith("ray") for t in cfg.transports):
             import ray
 
             token_bytes = max(KVLayout(L, H, D, 1, dt).token_bytes for _, (L, H, D, dt) in shapes)

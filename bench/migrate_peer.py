@@ -6,7 +6,8 @@ commands (no pickle): `setup` (pool + receiver, returns the bound address), `res
 timings of a committed import, then scrub and free it), `raw_tcp` (a listening sink that receives
 N bytes per transfer into a preallocated, pre-touched buffer in 1 MiB `recv_into` pieces and
 confirms each with one byte, over one reused connection: the raw loopback baseline),
-`raw_tcp_digest` (xxh3 of that buffer, to verify the baseline), `stats`, `quit`.
+`raw_tcp_digest` (xxh3 of that buffer, to verify the baseline), `stats`, `quit`. `PeerProcess`
+is the benchmark's side: it spawns this module and drives it.
 
 The pool is built exactly as the Ray receiver's (`bench.ray_receiver.PoolReceiver` as the
 benchmark makes it): `bench.pools.make_manager` with prefix caching on and every page prefaulted,
@@ -16,7 +17,10 @@ and an import is released the same way (its unshared blocks scrubbed, then freed
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -131,6 +135,45 @@ def raw_tcp_sink(nbytes: int, piece: int = 1 << 20) -> dict:
 def raw_tcp_digest(port: int) -> dict:
     buf = _SINKS.get(port)
     return {"digest": None if buf is None else xxhash.xxh3_64_intdigest(buf)}
+
+
+class PeerProcess:
+    """The receiving process for ZeroMQ points and the raw_tcp baseline, driven over REQ/REP."""
+
+    def __init__(self, timeout: float = 120.0):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.migrate_peer", "--control",
+                                      f"tcp://127.0.0.1:{port}"], env=env)
+        self.timeout = timeout
+        self.call(cmd="ping")
+
+    def call(self, **cmd) -> dict:
+        self.sock.send(msgpack.packb(cmd, use_bin_type=True))
+        deadline = time.monotonic() + self.timeout
+        while not self.sock.poll(200):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bench peer did not answer {cmd.get('cmd')!r} (exit {self.proc.poll()})")
+        reply = msgpack.unpackb(self.sock.recv(), raw=False)
+        if reply.get("error"):
+            raise RuntimeError(f"bench peer: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.call(cmd="quit")
+        except RuntimeError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.sock.close(0)
+        self.ctx.term()
 
 
 def main() -> None:
