@@ -146,3 +146,56 @@ def test_cluster_greedy_tokens_through_streamed_migrations_equal_the_local_engin
         assert all(w["used_blocks"] == 0 for w in ws.values())  # pinned blocks all returned
     finally:
         srv.stop()
+
+
+def test_a_newer_epoch_supersedes_a_stream_left_open_by_a_frozen_sender(gen):
+    """The coordinator re-ran the request (its prefill worker froze mid-stream): the rerun's offer
+    under a newer epoch ends the old stream at once (its blocks back, StaleEpoch counted) instead
+    of being refused until the old stream's idle timeout."""
+    import threading
+
+    src, dst = pool(), pool()
+    fill_random_sequence(src, "a", 200, gen)
+    t = src.table("a")
+    tokens = t.token_ids[:200]
+    before = snapshot(dst)
+    served = Served(dst, idle_timeout_s=30.0)  # far beyond this test: only superseding ends it
+    cfg = TransportConfig(address=served.rx.address, chunk_bytes=4096)
+    frozen, rerun = (ZmqSender(src.storage.layout.fingerprint(), cfg) for _ in range(2))
+    thaw, errors = threading.Event(), []
+
+    def frozen_feed():
+        yield [(i, t.blocks[i]) for i in range(4)]
+        thaw.wait(20)  # frozen: the stream stays open
+
+    def run_frozen():
+        try:
+            frozen.migrate_streamed(src, "r/0", 1, tokens, {"max_tokens": 4}, frozen_feed())
+        except E.TransferError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=run_frozen, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not served.rx.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(served.rx.in_flight()) == ["r/0"]
+        final = DecodeState(tokens + [5], {"max_tokens": 4}, 1)
+        ack = rerun.migrate_streamed(src, "r/0", 2, tokens, {"max_tokens": 4}, _feed(t, 13, final, delay=0))
+        assert (ack.request_id, ack.epoch) == ("r/0", 2)
+        got = served.next()
+        assert (got.request_id, got.epoch) == ("r/0", 2)
+        assert served.metrics.errors["stale_epoch"] == 1  # the old stream, ended by the rerun's offer
+    finally:
+        thaw.set()
+        th.join(10)
+        frozen.close()
+        rerun.close()
+        served.stop()
+    assert len(errors) == 1 and isinstance(errors[0], E.TransferError)  # the frozen sender learns it too
+    assert torch.equal(kv_bytes(dst, "r/0"), kv_bytes(src, "a"))
+    dst.free("r/0")
+    dst.allocator.evict_cached()
+    assert snapshot(dst) == before
+    dst.check_integrity()

@@ -1,8 +1,9 @@
-"""How a ZeroMQ receiver's transfers end, as a mixin of `ZmqReceiver`: payload chunks that came as
-ZeroMQ messages (`_chunk`), payloads that finished landing on the raw data stream (`_landed`,
-from `stream_receiver`'s reader threads), a streamed migration's closing state (`_final`), and
-the commit with its ack (`_end`). Everything here runs on the receiver's owner thread; a failure
-goes through `_fail` (reservation released, nack, count).
+"""How a ZeroMQ receiver's transfers end, as a mixin of `ZmqReceiver`: superseded by a newer epoch
+of the same request (`_supersede`), payload chunks that came as ZeroMQ messages (`_chunk`),
+payloads that finished landing on the raw data stream (`_landed`, from `stream_receiver`'s
+reader threads), a streamed migration's closing state (`_final`), and the commit with its ack
+(`_end`). Everything here runs on the receiver's owner thread; a failure goes through `_fail`
+(reservation released, nack, count).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import queue
 import time
 
 from transfer.codec import decode, unseal
-from transfer.errors import MalformedMessage, TransferError
+from transfer.errors import MalformedMessage, StaleEpoch, TransferError
 from transfer.importer import ImportResult
 from transfer.messages import Ack, Final
 from transfer.zmq_wire import TOKEN
@@ -20,6 +21,20 @@ from transfer.zmq_wire import TOKEN
 
 class PayloadMixin:
     """Needs from the host class: sock, streams, active, metrics, config, _fail, _send, _drain."""
+
+    def _supersede(self, m) -> None:
+        """An admitted transfer of a newer epoch ends an older one of the same request still in
+        flight on another connection: the coordinator re-ran the request because that sender
+        died or froze, and the old stream would otherwise hold its blocks and the epoch until
+        its idle timeout, refusing the rerun."""
+        for ident, p in list(self.active.items()):
+            old = p.session.manifest
+            if old.request_id == m.request_id and old.epoch < m.epoch:
+                try:
+                    self._fail(ident, p, StaleEpoch(f"request {m.request_id!r}: epoch {old.epoch} "
+                                                    f"superseded by {m.epoch}"))
+                except TransferError:
+                    pass
 
     def _landed(self) -> ImportResult | None:
         """Commit (or fail) the next payload that finished landing on the data stream."""

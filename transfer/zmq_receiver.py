@@ -80,8 +80,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         if config.socket_buffer_bytes:
             s.setsockopt(zmq.RCVBUF, config.socket_buffer_bytes)
             s.setsockopt(zmq.SNDBUF, config.socket_buffer_bytes)
-        lim = config.limits
-        s.setsockopt(zmq.MAXMSGSIZE, max(lim.max_chunk_bytes, lim.max_message_bytes) + 64)
+        s.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_chunk_bytes, config.limits.max_message_bytes) + 64)
         s.bind(bind_address(config.address))
         self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = [self.address]
@@ -190,8 +189,8 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             peer.landing = None
         if s is not None:
             s.abort(err)  # counts unless the session already counted a failure
-            nack = Nack(s.manifest.request_id, s.manifest.epoch, err.code, str(err))
-            self._send(ident, TOKEN.pack(b"A", peer.token), nack)
+            self._send(ident, TOKEN.pack(b"A", peer.token), Nack(s.manifest.request_id, s.manifest.epoch,
+                                                                 err.code, str(err)))
         elif not counted:
             self.metrics.record_error(err)
         raise err
@@ -283,6 +282,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
             return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
+        self._supersede(m)
         if streamed and self.streams is None:
             return self._refuse(ident, header, MalformedMessage("no data stream here"))
         try:
