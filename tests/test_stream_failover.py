@@ -1,16 +1,17 @@
 """Worker deaths in the middle of a streamed migration, on a local Ray cluster whose 32-token step
-budget splits the prompt into prefill chunks. The prefill workers' transfer threads are paused by
-the test gate (`Shipper.hold_streams`) right after a stream's first blocks went out, so each kill
-hits a stream the decode worker holds open (its blocks reserved and landing), without racing a
-timer. A prefill worker killed mid-stream: the decode worker aborts the stream whole (its blocks
-and credit return, nothing is adopted) and the request is rerun on the other prefill worker with
-the local engine's greedy tokens, or, with no prefill worker left, fails with a 503. A decode
-worker killed mid-stream: the prefill worker finishes the prompt, keeps its blocks, and re-sends
-them to the other decode worker (no second prefill); the client gets the local engine's tokens.
-A prefill worker frozen mid-stream (its stream open and silent): its rerun should land on the
-same decode worker (expected to fail until a newer epoch's offer supersedes the frozen stream on
-the receiver). In process (no cluster): a stream that failed while its prompt computed is not restarted; the
-request migrates whole after its prefill.
+budget splits the prompt into prefill chunks, over ZeroMQ and over Ray. The prefill workers'
+transfer threads are paused by the test gate (`Shipper.hold_streams`) right after a stream's
+first blocks went out, so each kill hits a stream the decode worker holds open (blocks reserved,
+landing), without racing a timer. A prefill worker killed mid-stream: the decode worker aborts
+the stream whole (on ZeroMQ when its socket closes, on Ray when the rerun's offer supersedes it;
+blocks and credit return, nothing is adopted) and the request reruns on the other prefill worker
+with the local engine's greedy tokens, or, with none left, fails with a 503. A decode worker
+killed mid-stream: the prefill worker finishes the prompt, keeps its blocks and re-sends them to
+the other decode worker (no second prefill); the client gets the local engine's tokens. A prefill
+worker frozen mid-stream (ZeroMQ; its stream open and silent, its loop wedged): the rerun's offer
+supersedes the frozen stream on the same decode worker, and the client gets the local engine's
+tokens. In process: a stream that failed while its prompt computed is not
+restarted; the request migrates whole after its prefill.
 """
 
 from __future__ import annotations
@@ -66,13 +67,15 @@ def _finalized(actor, rid: str) -> bool:
 
 
 def _decode_state(actor) -> dict:
-    """Streams landing (transfer id, epoch, blocks reserved), credits (request -> epoch, blocks),
-    pool blocks in use, sequences adopted, receiver errors. Read off the loop thread: retried when a
-    dict changed under the walk."""
-    h = actor.handler
+    """Streams landing (transfer id, epoch, blocks), credits (request -> epoch, blocks), blocks used,
+    sequences adopted, receiver errors. Off the loop thread: retried if a dict changed mid-walk."""
+    h, rx = actor.handler, actor.handler.receiver
     while True:
         try:
-            sessions = [p.session for p in list(h.receiver.active.values()) if p.session is not None]
+            if hasattr(rx, "_open_streams"):  # the Ray transport's streams, by connection
+                sessions = [st.session for st in list(rx._open_streams.values())]
+            else:
+                sessions = [p.session for p in list(rx.active.values()) if p.session is not None]
             landing = sorted((s.manifest.request_id, s.manifest.epoch, len(s.dst_blocks)) for s in sessions)
             credits = {rid: (r.epoch, r.blocks_left) for rid, r in list(h.credits._reserved.items())}
             break
@@ -85,12 +88,10 @@ def _decode_state(actor) -> dict:
 # ---- the test's side ------------------------------------------------------------------------------
 def on(srv: ClusterServer, name: str, probe, *args):
     import ray
-
     return ray.get(srv.backend.workers[name].handle.__ray_call__.remote(probe, *args), timeout=30)
 
 
-def until(probe, what: str, timeout_s: float = 60.0):
-    """probe()'s first truthy answer, polled; fails naming `what` after timeout_s."""
+def until(probe, what: str, timeout_s: float = 60.0):  # probe()'s first truthy answer, bounded
     end = time.monotonic() + timeout_s
     while True:
         got = probe()
@@ -107,7 +108,6 @@ def kill(srv: ClusterServer, name: str) -> None:
 
     pid = srv.backend.workers[name].info["pid"]
     ray.kill(srv.backend.workers[name].handle, no_restart=True)
-
     def gone() -> bool:
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -132,12 +132,13 @@ def held_stream(srv: ClusterServer, names: list[str]) -> tuple[str, str]:
     return until(probe, "a stream held after its first blocks")
 
 
-def test_prefill_killed_mid_stream_frees_the_reservation_then_reruns_or_fails_cleanly(ray_local,
-                                                                                     local_engine):
+@pytest.mark.parametrize("transport", ["zmq", "ray"])
+def test_prefill_killed_mid_stream_frees_the_reservation_then_reruns_or_fails_cleanly(ray_local, local_engine,
+                                                                                     transport):
     want = cc.greedy_ids(local_engine, PROMPT, max_tokens=8, ignore_eos=True)
     # the dead stay dead (max_restarts=0): part 2 has no prefill worker left
     srv = ClusterServer(ClusterConfig(prefill=2, decode=1, num_blocks=128, heartbeat_timeout_s=3.0,
-                                      max_restarts=0, engine=STEP))
+                                      max_restarts=0, engine=STEP, transport=transport))
     try:
         port = srv.start()
         prefills = ["prefill-0", "prefill-1"]
@@ -184,10 +185,11 @@ def test_prefill_killed_mid_stream_frees_the_reservation_then_reruns_or_fails_cl
         srv.stop()
 
 
-def test_decode_killed_mid_stream_prefill_finishes_and_resends_to_another(ray_local, local_engine):
+@pytest.mark.parametrize("transport", ["zmq", "ray"])
+def test_decode_killed_mid_stream_prefill_finishes_and_resends_to_another(ray_local, local_engine, transport):
     want = cc.greedy_ids(local_engine, PROMPT, max_tokens=8, ignore_eos=True)
     srv = ClusterServer(ClusterConfig(prefill=1, decode=2, num_blocks=128, heartbeat_timeout_s=3.0,
-                                      max_restarts=0, engine=STEP))
+                                      max_restarts=0, engine=STEP, transport=transport))
     try:
         port = srv.start()
         on(srv, "prefill-0", _hold)
@@ -214,9 +216,6 @@ def test_decode_killed_mid_stream_prefill_finishes_and_resends_to_another(ray_lo
         srv.stop()
 
 
-@pytest.mark.xfail(strict=True, raises=urllib.error.HTTPError, reason="the decode worker refuses the rerun's "
-                   "offer (StaleEpoch: the frozen stream's epoch is in flight until its idle timeout, 10 s) "
-                   "and with no other decode worker the held KV has nowhere to go: 503")
 def test_prefill_frozen_mid_stream_its_rerun_lands_on_the_same_decode_worker(ray_local, local_engine):
     import ray
 
@@ -231,12 +230,16 @@ def test_prefill_frozen_mid_stream_its_rerun_lands_on_the_same_decode_worker(ray
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(cc.complete, port, {"prompt": PROMPT, **GREEDY})
             victim, rid = held_stream(srv, prefills)
-            until(lambda: landing(srv, "decode-0"), "the offer landing")
-            on(srv, next(n for n in prefills if n != victim), _release)
+            other = next(n for n in prefills if n != victim)
+            before = until(lambda: landing(srv, "decode-0"), "the offer landing")
+            on(srv, other, _release)
             ray.get(srv.backend.workers[victim].handle.inject_fault.remote("hang"), timeout=30)
             got = fut.result(timeout=120)
         assert got["choices"][0]["token_ids"] == want
-        _at_rest(srv, failed=0, dead=(victim,))
+        assert got["pdserve"]["backend"]["prefill_worker"] == other
+        ws = _at_rest(srv, failed=0, dead=(victim,))
+        assert (ws[other]["streamed_migrations"], ws[other]["stream_fallbacks"]) == (1, 0)  # no refusal
+        assert on(srv, "decode-0", _decode_state)["errors"] == before["errors"] + 1  # the frozen one ended
     finally:
         srv.stop()
 
