@@ -65,7 +65,7 @@ class Shipper:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._gate: threading.Event | None = None  # set by hold_streams (tests)
-        self.held_streams: set[str] = set()        # request ids of streams waiting at the gate
+        self._held: set[str] = set()               # request ids of streams waiting at the gate
 
     def _queue(self, name: str) -> queue.SimpleQueue:
         with self._lock:
@@ -95,6 +95,11 @@ class Shipper:
         worker holds an open stream) until `release_streams`, `close` or HOLD_MAX_S."""
         with self._lock:
             self._gate = self._gate or threading.Event()
+
+    def held_streams(self) -> list[str]:
+        """Request ids of the streams waiting at the gate now."""
+        with self._lock:
+            return sorted(self._held)
 
     def release_streams(self) -> None:
         with self._lock:
@@ -179,12 +184,12 @@ class Shipper:
             gate = self._gate
             if gate is None:
                 return
-            self.held_streams.add(rid)
+            self._held.add(rid)
         try:
             gate.wait(HOLD_MAX_S)
         finally:
             with self._lock:
-                self.held_streams.discard(rid)
+                self._held.discard(rid)
 
     def _migrate(self, job: ShipJob) -> Shipped:
         if job.feed is not None:

@@ -58,7 +58,7 @@ def _release(actor) -> None:
 
 
 def _held(actor) -> list[str]:
-    return sorted(actor.handler.shipper.held_streams)
+    return actor.handler.shipper.held_streams()
 
 
 def _finalized(actor, rid: str) -> bool:
@@ -70,17 +70,17 @@ def _decode_state(actor) -> dict:
     """Streams landing (transfer id, epoch, blocks), credits (request -> epoch, blocks), blocks used,
     sequences adopted, receiver errors. Off the loop thread: retried if a dict changed mid-walk."""
     h, rx = actor.handler, actor.handler.receiver
-    while True:
+    for attempt in range(1000):
         try:
             if hasattr(rx, "_open_streams"):  # the Ray transport's streams, by connection
                 sessions = [st.session for st in list(rx._open_streams.values())]
             else:
-                sessions = [p.session for p in list(rx.active.values()) if p.session is not None]
+                sessions = [s for p in list(rx.active.values()) if (s := p.session) is not None]
             landing = sorted((s.manifest.request_id, s.manifest.epoch, len(s.dst_blocks)) for s in sessions)
             credits = {rid: (r.epoch, r.blocks_left) for rid, r in list(h.credits._reserved.items())}
             break
         except RuntimeError:
-            continue
+            assert attempt < 999, "the receiver's dicts kept changing under the walk"
     return {"landing": landing, "credits": credits, "used": h.engine.kv.allocator.num_used,
             "adopted": len(h.engine.requests), "errors": h.stats()["transfer_errors"]}
 
