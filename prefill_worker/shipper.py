@@ -65,7 +65,7 @@ class Shipper:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._gate: threading.Event | None = None  # set by hold_streams (tests)
-        self._held: set[str] = set()               # request ids of streams waiting at the gate
+        self.held_streams: set[str] = set()        # request ids of streams waiting at the gate
 
     def _queue(self, name: str) -> queue.SimpleQueue:
         with self._lock:
@@ -96,10 +96,10 @@ class Shipper:
         with self._lock:
             self._gate = self._gate or threading.Event()
 
-    def held_streams(self) -> list[str]:
-        """Request ids of the streams waiting at the gate now."""
+    def holding(self) -> list[str]:
+        """Request ids of the streams waiting at the gate now (held_streams, read under the lock)."""
         with self._lock:
-            return sorted(self._held)
+            return sorted(self.held_streams)
 
     def release_streams(self) -> None:
         with self._lock:
@@ -184,12 +184,12 @@ class Shipper:
             gate = self._gate
             if gate is None:
                 return
-            self._held.add(rid)
+            self.held_streams.add(rid)
         try:
             gate.wait(HOLD_MAX_S)
         finally:
             with self._lock:
-                self._held.discard(rid)
+                self.held_streams.discard(rid)
 
     def _migrate(self, job: ShipJob) -> Shipped:
         if job.feed is not None:

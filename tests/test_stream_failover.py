@@ -58,7 +58,7 @@ def _release(actor) -> None:
 
 
 def _held(actor) -> list[str]:
-    return actor.handler.shipper.held_streams()
+    return actor.handler.shipper.holding()
 
 
 def _finalized(actor, rid: str) -> bool:
