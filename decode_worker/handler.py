@@ -171,6 +171,8 @@ class DecodeHandler:
     def _abort(self, rid: str) -> None:
         if self.config.transport == "ray":
             self.receiver.abort_streams(rid)  # its reservation is returned now, not at the idle bound
+        else:
+            self.receiver.abort_request(rid)  # the same for a ZeroMQ transfer still landing
         _, running = self.expected.pop(rid, (0, set()))
         for transfer_id in running:
             self.sequences.pop(transfer_id, None)

@@ -199,3 +199,47 @@ def test_a_newer_epoch_supersedes_a_stream_left_open_by_a_frozen_sender(gen):
     dst.allocator.evict_cached()
     assert snapshot(dst) == before
     dst.check_integrity()
+
+
+def test_an_aborted_request_returns_its_open_streams_blocks_at_once(gen):
+    """The coordinator aborts a request whose stream is still open (its last prefill worker froze):
+    the decode worker's Abort ends the stream now, not at the idle timeout."""
+    import threading
+
+    from transfer.zmq_transport import ZmqReceiver
+
+    src, dst = pool(), pool()
+    fill_random_sequence(src, "a", 200, gen)
+    t = src.table("a")
+    before = snapshot(dst)
+    rx = ZmqReceiver(dst, TransportConfig(address="tcp://127.0.0.1:0", idle_timeout_s=30.0))
+    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=rx.address, chunk_bytes=4096))
+    thaw, errors = threading.Event(), []
+
+    def frozen_feed():
+        yield [(i, t.blocks[i]) for i in range(4)]
+        thaw.wait(20)
+
+    def run():
+        try:
+            tx.migrate_streamed(src, "r/0", 1, t.token_ids[:200], {"max_tokens": 4}, frozen_feed())
+        except E.TransferError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "r/0" not in rx.in_flight() and time.monotonic() < deadline:
+            rx.poll(0.02)  # this thread owns the receiver: handshake, offer
+        assert rx.in_flight().keys() == {"r/0"} and snapshot(dst) != before
+        assert rx.abort_request("r") == 1
+        assert rx.in_flight() == {} and snapshot(dst) == before
+        assert rx.abort_request("r") == 0
+    finally:
+        thaw.set()
+        th.join(10)
+        tx.close()
+        rx.close()
+    assert len(errors) == 1  # the sender's migration ends in an error
+    dst.check_integrity()

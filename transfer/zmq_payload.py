@@ -13,7 +13,7 @@ import queue
 import time
 
 from transfer.codec import decode, unseal
-from transfer.errors import MalformedMessage, StaleEpoch, TransferError
+from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
 from transfer.importer import ImportResult
 from transfer.messages import Ack, Final
 from transfer.zmq_wire import TOKEN
@@ -21,6 +21,19 @@ from transfer.zmq_wire import TOKEN
 
 class PayloadMixin:
     """Needs from the host class: sock, streams, active, metrics, config, _fail, _send, _drain."""
+
+    def abort_request(self, request_id: str) -> int:
+        """End the transfers of request `request_id` still in flight (transfer ids are
+        'request_id/i'): the coordinator aborted it, so their blocks come back now, not at the
+        idle timeout. Returns how many were ended."""
+        n = 0
+        for ident, p in list(self.active.items()):
+            if p.session.manifest.request_id.rpartition("/")[0] == request_id:
+                try:
+                    self._fail(ident, p, TransportClosed(f"request {request_id!r} was aborted"))
+                except TransferError:
+                    n += 1
+        return n
 
     def _supersede(self, m) -> None:
         """An admitted transfer of a newer epoch ends an older one of the same request still in
