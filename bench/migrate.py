@@ -146,12 +146,17 @@ def _warm_object_store(actor, store_bytes: int, piece: int = 64 << 20) -> None:
 
 def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: int, tag: str,
              timeline: list | None = None, origin: float = 0.0) -> dict:
-    """One point; appends each timed migration's spans to `timeline` (times from `origin`)."""
+    """One point; appends each timed migration's spans to `timeline` (times from `origin`).
+    Payloads up to 1 MiB take milliseconds, so they get at least 10 warm-ups and 30 timed
+    repeats: their p50 is then not one sample of the machine's noise."""
     sender = recv.senders[transport]
     mode = "manifest" if transport.startswith("ray") else "inline"
     ecfg = ExportConfig(chunk_bytes=cfg.chunk_bytes, checksum_mode=mode)
     lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
-    for r in range(cfg.warmup + cfg.repeats):
+    t = src.table("s")
+    small = len(t.blocks) * src.storage.layout.block_bytes <= 1 << 20
+    warmup, repeats = (max(cfg.warmup, 10), max(cfg.repeats, 30)) if small else (cfg.warmup, cfg.repeats)
+    for r in range(warmup + repeats):
         rid = f"{tag}-{r}"
         t0 = time.perf_counter()
         ex = export_sequence(src, "s", rid, 1, config=ecfg)
@@ -161,13 +166,13 @@ def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: in
         got, _ = recv.finish(transport, rid)
         verified &= got == digest
         manifest_bytes = len(encode(ex.manifest))
-        if r >= cfg.warmup:
+        if r >= warmup:
             lat.append(t2 - t0)
             exp.append(t1 - t0)
             tm = ack.timings
             imp.append((tm.get("receive_ms") or tm.get("prepare_ms", 0) + tm.get("commit_ms", 0)) / 1e3)
             if timeline is not None:
-                timeline.append({"transport": transport, "request_id": rid, "repeat": r - cfg.warmup,
+                timeline.append({"transport": transport, "request_id": rid, "repeat": r - warmup,
                                  "bytes": ex.manifest.payload_bytes, "start_ms": (t0 - origin) * 1e3,
                                  "export_ms": (t1 - t0) * 1e3, "wire_ms": (t2 - t1) * 1e3,
                                  "verified": got == digest, "receiver_ms": dict(tm)})
@@ -182,7 +187,7 @@ def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: in
         "wire_ms_p50": max(0.0, (p50 - _pct(exp, 50) - _pct(imp, 50)) * 1e3),
         "manifest_bytes": manifest_bytes, "manifest_ratio": manifest_bytes / nbytes,
         "control_bytes": manifest_bytes + headers, "frames": len(m.frames), "chunks": m.num_chunks,
-        "blocks": len(m.block_tokens), "checksum_mode": mode, "repeats": cfg.repeats,
+        "blocks": len(m.block_tokens), "checksum_mode": mode, "repeats": repeats,
     }
 
 
