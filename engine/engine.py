@@ -23,6 +23,7 @@ from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
 from engine.beam import beam_step, best_hypotheses
 from engine.identity import model_identity
+from engine.requests import RequestError, validate_prompt
 from engine.sampling import SamplingParams, StopChecker, cut_at_stop, sample_batch
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Request, Sequence, Status, StepOutput
@@ -30,10 +31,6 @@ from kvcache import BlockAllocator, KVCacheManager, KVStorage
 from kvcache.storage import dtype_name
 
 ROLES = ("colocated", "prefill", "decode")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run (bad prompt, ids outside the vocabulary, too long)."""
 
 
 @dataclass(frozen=True)
@@ -95,22 +92,9 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not prompt_ids:
-            raise RequestError("prompt is empty")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        limit = self.model_config.max_position_embeddings
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                               f"exceeds the model's context of {limit} tokens")
-        width = max(params.n, params.beam_width)
-        need = width * (-(-(len(prompt_ids) + params.max_tokens) // self.config.block_size))
-        if need > self.config.num_blocks:
-            raise RequestError(f"request needs up to {need} KV blocks; the pool has {self.config.num_blocks}")
-        if self.config.role != "colocated" and params.beam_width > 1:
-            raise RequestError("beam search runs on colocated engines only")
+        c, m = self.config, self.model_config
+        validate_prompt(prompt_ids, params, vocab=m.vocab_size, context=m.max_position_embeddings,
+                        block_size=c.block_size, num_blocks=c.num_blocks, role=c.role)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
