@@ -29,6 +29,18 @@ def ray_local():
 
 
 @pytest.fixture(scope="module")
+def ray_session():
+    """A bare local Ray (small object store) for transport tests with their own actors."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
+             log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def local_engine():
     """The in-process tiny engine the cluster's tokens are compared with."""
     from engine.engine import EngineConfig, LLMEngine

@@ -6,24 +6,12 @@ the size limit nothing is shared (every block lands fresh)."""
 
 import pytest
 import torch
+from zmq_helpers import kv_bytes as kv
+from zmq_helpers import pool
 
-from bench.pools import fill_random_sequence, make_manager
-from kvcache.storage import KVLayout
+from bench.pools import fill_random_sequence
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession, import_sequence
-
-SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 B/token
-
-
-def pool(B=16, n=64):
-    return make_manager(KVLayout(block_size=B, **SHAPE), n, prefix_caching=True)
-
-
-def kv(manager, seq_id) -> torch.Tensor:
-    """(T, L, 2, H, D) KV of the computed tokens, as raw bytes."""
-    t = manager.table(seq_id)
-    slots = [t.slot(i, manager.block_size) for i in range(t.num_computed)]
-    return manager.storage.read_slots(slots).contiguous().view(torch.uint8)
 
 
 @pytest.mark.parametrize("src_bs,dst_bs", [(16, 16), (16, 32), (32, 16)])

@@ -20,16 +20,6 @@ ray = pytest.importorskip("ray")
 SHAPE = (2, 2, 8)  # layers, KV heads, head dim
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def actor(block_size, n=64):
     return ray.remote(num_cpus=0.25)(PoolReceiver).remote((*SHAPE, block_size, "float16"), n)
 

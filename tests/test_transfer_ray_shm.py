@@ -37,16 +37,6 @@ class NoPayloadCalls:
         return getattr(self._handle, name)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def test_same_node_payload_is_read_from_the_senders_pool(ray_session):
     gen = torch.Generator().manual_seed(1)
     src = make_manager(KVLayout(*LAYOUT), 64, shm=True)

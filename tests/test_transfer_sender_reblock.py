@@ -9,28 +9,16 @@ import dataclasses
 
 import pytest
 import torch
-from zmq_helpers import Served, kv_bytes, snapshot
+from zmq_helpers import Served, kv_bytes, pool, snapshot
+from zmq_helpers import kv_bytes as kv
 
-from bench.pools import fill_random_sequence, make_manager
-from kvcache.storage import KVLayout
+from bench.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession, import_sequence
 from transfer.transport import TransportConfig
 from transfer.zmq_transport import ZmqSender
-
-SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 B/token
-
-
-def pool(B=16, n=96):
-    return make_manager(KVLayout(block_size=B, **SHAPE), n, prefix_caching=True)
-
-
-def kv(manager, seq_id) -> torch.Tensor:
-    t = manager.table(seq_id)
-    slots = [t.slot(i, manager.block_size) for i in range(t.num_computed)]
-    return manager.storage.read_slots(slots).contiguous().view(torch.uint8)
 
 
 @pytest.mark.parametrize("src_bs,dst_bs", [(16, 32), (32, 16), (16, 8), (8, 16), (16, 24)])

@@ -23,7 +23,7 @@ from transfer.errors import MalformedMessage, TransferError, TransportClosed
 from transfer.manifest import PROTOCOL_VERSION
 from transfer.messages import Ack, Final, Nack
 from transfer.schema import U32, U64, Limits, get_int, get_packed, get_str, pack, require_keys
-from transfer.stream_export import StreamedExport
+from transfer.stream_export import offer_for
 from transfer.transport import RECEIVER_PHASES
 
 OFFER, BLOCKS, FINAL, CANCEL, OK = "ray_offer", "ray_blocks", "ray_final", "ray_cancel", "ray_ok"
@@ -129,12 +129,9 @@ class _Calls:
 def migrate_streamed(sender, manager, request_id: str, epoch: int, token_ids: list[int], sampling: dict,
                      feed, extra_key: str | None = None, timeout: float | None = None) -> Ack:
     """`RaySender.migrate_streamed`: the contract of `ZmqSender.migrate_streamed` (see the module)."""
-    plan = sender.plan or sender.connect(timeout)
+    sender.plan or sender.connect(timeout)
     t0 = time.perf_counter()
-    reuse = sender.query(request_id, token_ids, extra_key, timeout)
-    sx = StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
-                        reuse_block_size=plan.dst_block_size if reuse else 0,
-                        chunk_bytes=sender.config.chunk_bytes, limits=sender.config.limits)
+    sx = offer_for(sender, manager, request_id, epoch, token_ids, sampling, extra_key, timeout)
     m, limit = sx.manifest, timeout or sender.config.transfer_timeout_s
     sender.stream_token += 1
     calls = _Calls(sender, sender.stream_token, limit)

@@ -27,7 +27,7 @@ from transfer.export import ExportedSequence
 from transfer.messages import Ack, Final, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
-from transfer.stream_export import StreamedExport
+from transfer.stream_export import offer_for
 from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
 from transfer.transport import RECEIVER_PHASES, TransportConfig, make_hello, migrate
@@ -225,14 +225,11 @@ class ZmqSender:
         cancels the stream. last_phases: streamed_ms (offer to final), exposed_ms (final to ack),
         overlap_pct (payload sent before the prefill finished) and the receiver's phases.
         Needs the data stream (HandshakeRequired otherwise). Raises the receiver's typed error."""
-        plan = self.plan or self.connect(timeout)
+        self.plan or self.connect(timeout)
         if self.stream is None:
             raise HandshakeRequired("a streamed migration needs the receiver's data stream")
         t0 = time.perf_counter()
-        reuse = self.query(request_id, token_ids, extra_key, timeout)
-        sx = StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
-                            reuse_block_size=plan.dst_block_size if reuse else 0,
-                            chunk_bytes=self.config.chunk_bytes, limits=self.config.limits)
+        sx = offer_for(self, manager, request_id, epoch, token_ids, sampling, extra_key, timeout)
         m, limit = sx.manifest, timeout or self.config.transfer_timeout_s
         self._token += 1
         token, ack_header, early = self._token, TOKEN.pack(b"A", self._token), []
