@@ -50,7 +50,9 @@ TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "ray", "ray-store")
 class BenchConfig:
     """What to measure. kv_shapes: presets or 'L,H,D,dtype'; tokens: sequence lengths;
     repeats: timed transfers per point (after `warmup` untimed ones); chunk_bytes: wire chunk;
-    inline_bytes: the ZeroMQ senders' TransportConfig.inline_bytes (None: its default)."""
+    inline_bytes: the ZeroMQ senders' TransportConfig.inline_bytes (None: its default).
+    small_repeats / small_warmup: the least repeats and warm-ups for payloads up to 1 MiB, which
+    take milliseconds (with 4 repeats their p50 is one sample of the machine's noise)."""
 
     kv_shapes: tuple[str, ...] = ("tiny", "llama3-8b")
     tokens: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -61,6 +63,8 @@ class BenchConfig:
     chunk_bytes: int = 2 << 20
     baselines: bool = True
     inline_bytes: int | None = None
+    small_repeats: int = 30
+    small_warmup: int = 10
 
 
 QUICK = BenchConfig(tokens=(256, 1024, 2048), repeats=4, warmup=2)
@@ -147,15 +151,16 @@ def _warm_object_store(actor, store_bytes: int, piece: int = 64 << 20) -> None:
 def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: int, tag: str,
              timeline: list | None = None, origin: float = 0.0) -> dict:
     """One point; appends each timed migration's spans to `timeline` (times from `origin`).
-    Payloads up to 1 MiB take milliseconds, so they get at least 10 warm-ups and 30 timed
-    repeats: their p50 is then not one sample of the machine's noise."""
+    Payloads up to 1 MiB get at least cfg.small_warmup warm-ups and cfg.small_repeats repeats."""
     sender = recv.senders[transport]
     mode = "manifest" if transport.startswith("ray") else "inline"
     ecfg = ExportConfig(chunk_bytes=cfg.chunk_bytes, checksum_mode=mode)
     lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
     t = src.table("s")
     small = len(t.blocks) * src.storage.layout.block_bytes <= 1 << 20
-    warmup, repeats = (max(cfg.warmup, 10), max(cfg.repeats, 30)) if small else (cfg.warmup, cfg.repeats)
+    warmup, repeats = cfg.warmup, cfg.repeats
+    if small:
+        warmup, repeats = max(warmup, cfg.small_warmup), max(repeats, cfg.small_repeats)
     for r in range(warmup + repeats):
         rid = f"{tag}-{r}"
         t0 = time.perf_counter()

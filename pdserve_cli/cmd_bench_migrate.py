@@ -25,8 +25,11 @@ def add_arguments(p) -> None:
                    help="tiny | llama3-8b | L,H,D,dtype (repeatable; default: tiny and llama3-8b)")
     p.add_argument("--tokens", type=_ints, help="comma-separated token counts (e.g. 256,1024,4096)")
     p.add_argument("--block-sizes", type=_ints, help="comma-separated block sizes (default 16)")
-    p.add_argument("--transports", help="comma-separated: zmq-tcp,zmq-ipc,zmq-frames,ray (default all)")
-    p.add_argument("--repeats", type=int, help="timed transfers per point")
+    p.add_argument("--transports",
+                   help="comma-separated: zmq-tcp,zmq-ipc,zmq-frames,ray,ray-store (default all)")
+    p.add_argument("--repeats", type=int,
+                   help="timed transfers per point (default 4 in --quick, 5 otherwise; payloads up to "
+                        "1 MiB get at least 30 unless given)")
     p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 2)")
     p.add_argument("--inline-kib", type=int,
                    help="zmq-tcp / zmq-ipc: payloads up to this many KiB follow the manifest on the control "
@@ -52,8 +55,8 @@ def run(args) -> int:
         over["block_sizes"] = args.block_sizes
     if args.transports:
         over["transports"] = tuple(t.strip() for t in args.transports.split(",") if t.strip())
-    if args.repeats:
-        over["repeats"] = args.repeats
+    if args.repeats:  # exactly this many at every size
+        over.update(repeats=args.repeats, small_repeats=args.repeats, small_warmup=0)
     if args.chunk_mib:
         over["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
     if args.no_baselines:
