@@ -4,7 +4,7 @@ message with the decode state closes it. In process against a real ZeroMQ receiv
 KV equals the sender's, at equal and unequal block sizes; a stream cut after its first chunk, a
 corrupted second chunk, or a final state that does not continue the offer is refused whole and
 leaves the receiver's pool as it was. On a local Ray cluster whose step budget splits prompts
-into chunks: greedy tokens through streamed migrations equal the local engine's."""
+into chunks, over zmq and ray: greedy tokens through streamed migrations equal the local engine's."""
 
 import time
 
@@ -117,9 +117,12 @@ def test_a_broken_stream_is_refused_whole(gen, case):
     dst.check_integrity()
 
 
-def test_cluster_greedy_tokens_through_streamed_migrations_equal_the_local_engine(ray_local, local_engine):
+@pytest.mark.parametrize("transport", ["zmq", "ray"])
+def test_cluster_greedy_tokens_through_streamed_migrations_equal_the_local_engine(ray_local, local_engine,
+                                                                                 transport):
     """A step budget of 32 tokens splits every prompt into prefill chunks, so each request's KV
-    leaves in pieces while its prompt computes (re-blocked 16 -> 32 on the way)."""
+    leaves in pieces while its prompt computes (re-blocked 16 -> 32 on the way), over either
+    transport."""
     pytest.importorskip("ray")
     import cluster_client as cc
 
@@ -128,7 +131,7 @@ def test_cluster_greedy_tokens_through_streamed_migrations_equal_the_local_engin
     from engine.sampling import SamplingParams
 
     prompts = [list(range(1, 101)), list(range(200, 350)), [7, 8, 9] * 40]
-    config = ClusterConfig(prefill=1, decode=1, transport="zmq", block_size=16, decode_block_size=32,
+    config = ClusterConfig(prefill=1, decode=1, transport=transport, block_size=16, decode_block_size=32,
                            num_blocks=256, engine={"scheduler": {"max_num_batched_tokens": 32}})
     want = cc.reference(local_engine, prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     srv = ClusterServer(config)
@@ -138,12 +141,15 @@ def test_cluster_greedy_tokens_through_streamed_migrations_equal_the_local_engin
             body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             got = cc.complete(srv.port, body)
             assert [c["token_ids"] for c in got["choices"]] == ref
-            phases = got["pdserve"]["backend"]["migration"]["phases"]
+            migration = got["pdserve"]["backend"]["migration"]
+            assert migration["transport"] == transport
+            phases = migration["phases"]
             assert phases["streamed_ms"] > 0 and "exposed_ms" in phases  # it went out in pieces
+            assert {"land_ms", "verify_ms", "commit_ms"} <= set(phases)  # the receiver's
         ws = cc.poll_workers(srv.port, lambda ws: all(w["used_blocks"] == 0 for w in ws.values()))
         prefill = [w for w in ws.values() if w["role"] == "prefill"]
         assert [(w["streamed_migrations"], w["stream_fallbacks"]) for w in prefill] == [(3, 0)]
-        assert all(w["used_blocks"] == 0 for w in ws.values())  # pinned blocks all returned
+        assert all(w["used_blocks"] == 0 for w in ws.values())  # pinned and reserved blocks all returned
     finally:
         srv.stop()
 
