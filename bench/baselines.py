@@ -21,6 +21,9 @@ Each is made as well as its kind allows, so a ratio against it means something:
   machines, so the two-process path has NOT been run here: it follows nixl's documented Python
   API (`nixl._api`), and any failure in it is reported as a note, never raised. It lives in
   bench.baselines_nixl and is re-exported here.
+- pinned_d2h / pinned_h2d: with device pools (`bench migrate --device cuda`), one copy of the
+  payload between device memory and a pinned host buffer each way: every host-staged path
+  crosses the bus twice, so these bound a device-to-device migration through the host.
 Each returns GB/s (1e9 bytes per second) of the median of `repeats` timed runs. `Baselines`
 measures all of them (and the xxh3 checksum speed) once per payload size for `bench.migrate`.
 """
@@ -184,13 +187,31 @@ class PicklePipe:
             self.proc.terminate()
 
 
+def pinned_copy(nbytes: int, device: str, to_device: bool, repeats: int = 5) -> float:
+    """One host<->device copy of `nbytes` through a pinned host buffer, synchronized."""
+    host = torch.randint(1, 256, (nbytes,), dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (host, dev) if to_device else (dev, host)
+    dst.copy_(src)  # touch both
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return _median_gbps(nbytes, times)
+
+
 class Baselines:
     """Measures every baseline once per payload size, right after the transports' points at that
     size, so both see the same machine conditions. peer: the benchmark's receiving process (it
-    opens the raw_tcp sinks); rows: what was measured so far, in the report's format."""
+    opens the raw_tcp sinks); rows: what was measured so far, in the report's format; device:
+    the pools' device (not 'cpu': the pinned copies are measured too)."""
 
-    def __init__(self, peer, repeats: int, log):
+    def __init__(self, peer, repeats: int, log, device: str = "cpu"):
         self.peer, self.repeats, self.log, self.rows, self.sizes = peer, repeats, log, [], set()
+        self.device = device
         self.rows.append({"name": "xxh3_checksum", "bytes": 64 << 20, "gb_per_s": measure_gb_per_s()})
         self.pickle = PicklePipe()
         self.ray_sink = None
@@ -223,6 +244,9 @@ class Baselines:
         else:
             rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": None, "note": "skipped above 1 GiB"})
         rows.append({"name": "nixl", "bytes": n, **nixl(n, reps)})
+        if self.device != "cpu":
+            rows += [{"name": f"pinned_{way}", "bytes": n,
+                      "gb_per_s": pinned_copy(n, self.device, way == "h2d", reps)} for way in ("d2h", "h2d")]
         self.rows += rows
         self.log(f"baselines at {n / 2**20:.2f} MiB: " + ", ".join(
             f"{b['name']} {b['gb_per_s']:.2f} GB/s" if b["gb_per_s"] else f"{b['name']} n/a" for b in rows))

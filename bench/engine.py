@@ -70,18 +70,25 @@ def resolve_model(spec: str, scratch: str, seed: int) -> tuple[str, str, str | N
     return spec, spec, None
 
 
+def _warm_count(device: str, prompts: list) -> int:
+    """Prompts in each side's untimed warm-up: two on CPU; all on cuda, whose first run of a
+    batch shape compiles kernels and picks GEMM algorithms (a cold first repeat measured 4x slower)."""
+    return len(prompts) if device.startswith("cuda") else 2
+
+
 def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size: int,
-               max_batched_tokens: int, dtype: str, progress) -> dict:
+               max_batched_tokens: int, dtype: str, progress, device: str = "cpu") -> dict:
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
     from engine.scheduler import SchedulerConfig
 
     blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts) + 16
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, block_size=block_size, num_blocks=blocks,
-                                 num_host_blocks=0,
+                                 num_host_blocks=0, device=device,
                                  scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    eng.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
+    # warm-up, untimed; on cuda every prompt (kernels compile and libraries tune per shape)
+    eng.generate(prompts[:_warm_count(device, prompts)], SamplingParams(max_tokens=2, ignore_eos=True))
     eng.kv.allocator.evict_cached()  # NOTE: else the warm-up's blocks are prefix hits for the timed run
     ids = [eng.add_request(p, params) for p in prompts]
     reqs = [eng.requests[i] for i in ids]
@@ -103,24 +110,29 @@ def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size
 
 
 def run_hf(directory: str, prompts: list[list[int]], max_tokens: int, gguf_file: str | None = None,
-           dtype: str = "float32") -> dict:
+           dtype: str = "float32", device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), **extra)
+    model = model.eval().to(device)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    warm = _warm_count(device, prompts)
     with torch.inference_mode():  # warm-up, untimed
-        model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2, do_sample=False,
+        model.generate(input_ids=ids[:warm], attention_mask=mask[:warm], max_new_tokens=2, do_sample=False,
                        pad_token_id=0)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        if out.is_cuda:
+            torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     gen = out[:, width:].tolist()
     tokens = sum(len(g) for g in gen)
@@ -139,10 +151,11 @@ def _vocab_size(model: str) -> int:
 def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = None,
         max_prompt: int | None = None, block_size: int = 16, seed: int = 0, repeats: int = 3,
         json_path: str | None = None, model: str = "tiny", preset: str = "short",
-        max_batched_tokens: int | None = None, dtype: str = "float32") -> dict:
+        max_batched_tokens: int | None = None, dtype: str = "float32", device: str = "cpu") -> dict:
     """Alternate engine and transformers runs `repeats` times; report medians and the median ratio.
     min_prompt/max_prompt override the preset's prompt lengths; max_batched_tokens None picks
-    the model's default (DEFAULT_BUDGET)."""
+    the model's default (DEFAULT_BUDGET). device: both sides' ('cuda': the engine's attention
+    backend resolves to Triton)."""
     from tqdm import tqdm
 
     low, high = PRESETS[preset]
@@ -158,16 +171,16 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
         prompts = [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(min_prompt, max_prompt) - 1)]
                    for _ in range(num_prompts)]
         print(f"model {model}; {num_prompts} prompts of {min_prompt}..{max_prompt} tokens, {max_tokens} new "
-              f"tokens each, {dtype}, step budget {max_batched_tokens} tokens, torch threads "
+              f"tokens each, {dtype} on {device}, step budget {max_batched_tokens} tokens, torch threads "
               f"{torch.get_num_threads()}, {repeats} alternating repeats")
         for r in range(repeats):
             bar = tqdm(desc=f"[{r + 1}/{repeats}] pdserve engine steps", unit="step")
             tick = lambda n, b=bar: b.update(1)  # noqa: E731
             engine_runs.append(run_engine(engine_model, prompts, max_tokens, block_size, max_batched_tokens,
-                                          dtype, tick))
+                                          dtype, tick, device))
             bar.close()
             print(f"[{r + 1}/{repeats}] transformers generate (one padded batch) ...", flush=True)
-            hf_runs.append(run_hf(hf_dir, prompts, max_tokens, gguf_file, dtype))
+            hf_runs.append(run_hf(hf_dir, prompts, max_tokens, gguf_file, dtype, device))
             print(f"[{r + 1}/{repeats}] pdserve {engine_runs[-1]['tokens_per_s']:.0f} tok/s, "
                   f"transformers {hf_runs[-1]['tokens_per_s']:.0f} tok/s", flush=True)
     same = sum(a == b for a, b in zip(engine_runs[0]["outputs"], hf_runs[0]["outputs"]))
@@ -178,7 +191,7 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
     result = {"config": {"model": model, "preset": preset, "num_prompts": num_prompts,
                          "max_tokens": max_tokens, "prompt_len": [min_prompt, max_prompt],
                          "block_size": block_size, "max_batched_tokens": max_batched_tokens, "dtype": dtype,
-                         "device": "cpu", "torch_threads": torch.get_num_threads(), "repeats": repeats},
+                         "device": device, "torch_threads": torch.get_num_threads(), "repeats": repeats},
               "pdserve": {"tokens_per_s_median": med(engine_runs), "runs": engine_runs},
               "transformers": {"tokens_per_s_median": med(hf_runs), "runs": hf_runs},
               "speedup_vs_transformers": statistics.median(ratios), "ratios": ratios,

@@ -1,7 +1,8 @@
 """The Triton paged-attention kernel benchmark behind `pdserve bench kernels`: the KV store, decode
 and prefill kernels against the torch reference backend on realistic Llama-style shapes, on CUDA.
 Each case records the median time of both, the speedup, the largest absolute difference from the
-reference and, for decode, the effective bandwidth of the K/V bytes read. Without CUDA it says so,
+reference and, for decode, the effective bandwidth of the K/V bytes read, also as a fraction of
+the device's copy bandwidth measured in the same run. Without CUDA it says so,
 runs one tiny case per kernel under TRITON_INTERPRET=1 through the same code (a smoke test: those
 times mean nothing) and still writes the JSON. Torch, Triton and the engine are imported lazily.
 """
@@ -44,6 +45,17 @@ def _time_ms(fn, fn_args: tuple, iters: int, warmup: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def copy_gb_per_s(device: str, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """The device's measured copy bandwidth: a large device-to-device copy, counting the bytes
+    read plus the bytes written (the ceiling a KV-reading kernel is quoted against)."""
+    import torch
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)  # not zeros: see METHOD
+    dst = torch.empty_like(src)
+    ms = _time_ms(dst.copy_, (src,), iters, 3)
+    return 2 * nbytes / ms / 1e6
 
 
 def _setup(seq_lens, query_lens, q_heads, kv_heads, head_dim, block_size, dtype, device):
@@ -137,7 +149,7 @@ def run(dtype_name: str = "float16", iters: int = 20, warmup: int = 3, quick: bo
         + [("prefill", c) for c in pick(PREFILL_CASES)]
     if not cuda:
         jobs, iters, warmup = CPU_JOBS, 1, 0
-    results = []
+    results, copy_bw = [], copy_gb_per_s("cuda") if cuda else None
     for kernel, case in tqdm(jobs, desc="kernels", file=sys.stderr):
         results.append(_bench_case(kernel, case, dtype, "cuda" if cuda else "cpu", iters, warmup))
         if cuda:
@@ -148,8 +160,16 @@ def run(dtype_name: str = "float16", iters: int = 20, warmup: int = 3, quick: bo
                          if k not in ("kernel", "triton_ms", "torch_ms", "speedup", "dtype"))
         print(f"{r['kernel']:9s} {shape:64s} {r['triton_ms']:10.3f} {r['torch_ms']:10.3f} "
               f"{r['speedup']:8.2f}")
+    if copy_bw:
+        for r in results:
+            if "triton_kv_gb_per_s" in r:
+                r["fraction_of_copy_bw"] = round(r["triton_kv_gb_per_s"] / copy_bw, 3)
+        decode = [r for r in results if "fraction_of_copy_bw" in r]
+        print(f"device copy bandwidth (read + write) {copy_bw:.0f} GB/s; Triton decode K/V reads at "
+              + ", ".join(f"{r['fraction_of_copy_bw']:.2f} (S={r['num_seqs']}, ctx={r['context']})"
+                          for r in decode) + " of it")
     body = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
-            "dtype": str(dtype).removeprefix("torch."), "results": results}
+            "dtype": str(dtype).removeprefix("torch."), "copy_gb_per_s": copy_bw, "results": results}
     if note:
         body["note"] = note
     if json_path:

@@ -52,7 +52,9 @@ class BenchConfig:
     repeats: timed transfers per point (after `warmup` untimed ones); chunk_bytes: wire chunk;
     inline_bytes: the ZeroMQ senders' TransportConfig.inline_bytes (None: its default).
     small_repeats / small_warmup: the least repeats and warm-ups for payloads up to 1 MiB, which
-    take milliseconds (with 4 repeats their p50 is one sample of the machine's noise)."""
+    take milliseconds (with 4 repeats their p50 is one sample of the machine's noise).
+    device: where both pools live ('cuda': the ZeroMQ transports stage through pinned buffers;
+    the Ray transports are host-pool only here)."""
 
     kv_shapes: tuple[str, ...] = ("tiny", "llama3-8b")
     tokens: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -65,6 +67,7 @@ class BenchConfig:
     inline_bytes: int | None = None
     small_repeats: int = 30
     small_warmup: int = 10
+    device: str = "cpu"
 
 
 QUICK = BenchConfig(tokens=(256, 1024, 2048), repeats=4, warmup=2)
@@ -78,11 +81,11 @@ class _Receivers:
     """Receiver endpoints for one (layout, pool size): the peer process and/or a Ray actor."""
 
     def __init__(self, peer, layout_args: tuple, num_blocks: int, transports, chunk_bytes: int,
-                 ray_store_bytes: int = 0, inline_bytes: int | None = None):
+                 ray_store_bytes: int = 0, inline_bytes: int | None = None, device: str = "cpu"):
         self.peer, self.senders, self.actor = peer, {}, None
         fp = KVLayout(*layout_args).fingerprint()
         if peer is not None and any(t.startswith("zmq") for t in transports):
-            addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks,
+            addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks, device=device,
                               address="tcp://127.0.0.1:0", more_addresses=[ipc_address()])["addresses"]
             from transfer.zmq_sender import ZmqSender
 
@@ -201,13 +204,15 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
     """Every (tokens, transport) point of one KV layout; receivers are set up once for it."""
     B, rows = layout_args[3], []
     num_blocks = blocks_for(max(cfg.tokens), B) + 2
-    recv = _Receivers(peer, layout_args, num_blocks, cfg.transports, cfg.chunk_bytes, store, cfg.inline_bytes)
+    recv = _Receivers(peer, layout_args, num_blocks, cfg.transports, cfg.chunk_bytes, store, cfg.inline_bytes,
+                      cfg.device)
     try:
         for T in cfg.tokens:
             # A fresh sender pool per point: its blocks are contiguous, so the payload is one frame
             # (the receiver's pool is reused across points and fragments as a real one does). In
             # /dev/shm, as a Ray prefill worker's pool is (the zmq paths read it the same way).
-            src = make_manager(KVLayout(*layout_args), blocks_for(T, B) + 2, shm=True)
+            src = make_manager(KVLayout(*layout_args), blocks_for(T, B) + 2, device=cfg.device,
+                               shm=cfg.device == "cpu")
             fill_random_sequence(src, "s", T, gen)
             digest = kv_digest(src, "s")
             for transport in cfg.transports:
@@ -236,6 +241,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     unknown = set(cfg.transports) - set(TRANSPORTS)
     if unknown:
         raise ValueError(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
+    if cfg.device != "cpu" and any(t.startswith("ray") for t in cfg.transports):
+        raise ValueError("device pools are benchmarked over the zmq transports only "
+                         "(--transports zmq-tcp,zmq-ipc)")
     gen = torch.Generator().manual_seed(1234)
     total = len(shapes) * len(cfg.block_sizes) * len(cfg.tokens) * len(cfg.transports)
     count, t_start = [0], time.monotonic()
@@ -250,7 +258,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     ray_started, results, store, base, timeline = False, [], 0, None, []
     origin = time.perf_counter()
     try:
-        base = Baselines(peer, cfg.repeats, log) if cfg.baselines else None
+        base = Baselines(peer, cfg.repeats, log, cfg.device) if cfg.baselines else None
         if any(t.startswith("ray") for t in cfg.transports):
             import ray
 

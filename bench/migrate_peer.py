@@ -52,7 +52,7 @@ class Peer:
         self.results.clear()
         # NOTE: the same settings as bench.ray_receiver.PoolReceiver (prefix caching on, prefaulted).
         self.manager = make_manager(KVLayout(*cmd["layout"]), cmd["num_blocks"], prefix_caching=True,
-                                    prefault=True)
+                                    prefault=True, device=cmd.get("device", "cpu"))
         cfg = TransportConfig(address=cmd["address"], rcvhwm=cmd.get("rcvhwm", 32),
                               socket_buffer_bytes=cmd.get("socket_buffer_bytes", 4 << 20),
                               idle_timeout_s=cmd.get("idle_timeout_s", 30.0))

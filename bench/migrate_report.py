@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 RATIO_BASELINES = ("raw_tcp", "ray_put_get", "nixl", "memcpy", "pickle_pipe")
+DEVICE_BASELINES = ("pinned_d2h", "pinned_h2d")  # only in runs with device pools
 FIT_MAX_BYTES = 1 << 20
 
 
@@ -55,7 +56,8 @@ def summarize(report: dict) -> dict:
         big = max(rows, key=lambda r: r["bytes"])
         entry = {"transport": t, "kv_shape": big["kv_shape"], "tokens": big["tokens"], "bytes": big["bytes"],
                  "gb_per_s": big["gb_per_s"], "manifest_ratio": big["manifest_ratio"]}
-        for name in RATIO_BASELINES:
+        device = [n for n in DEVICE_BASELINES if any(b["name"] == n for b in report["baselines"])]
+        for name in RATIO_BASELINES + tuple(device):
             base = _baseline(report, name, big["bytes"])
             entry[f"vs_{name}"] = big["gb_per_s"] / base if base else None
             entry[f"{name}_gb_per_s"] = base
@@ -75,7 +77,7 @@ def format_summary(s: dict) -> str:
                      f"{e['bytes'] / 2**20:.3g} MiB): {e['gb_per_s']:.3g} GB/s; "
                      f"manifest/payload {e['manifest_ratio']:.2e}")
         ratios = []
-        for name in RATIO_BASELINES:
+        for name in [n for n in RATIO_BASELINES + DEVICE_BASELINES if f"vs_{n}" in e]:
             v, base = e.get(f"vs_{name}"), e.get(f"{name}_gb_per_s")
             ratios.append(f"{v:.3g}x {name} ({base:.3g} GB/s)" if v else f"{name} n/a")
         lines.append(f"{'':8s}   = " + ", ".join(ratios))

@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
                         "256 for tiny, 128 for real models; either keeps a prefill-carrying step within ~3x "
                         "a decode-only one on the long preset on CPU)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides")
+    p.add_argument("--device", default="cpu",
+                   help="both sides' device: cpu or cuda[:i] (on cuda the engine attends with Triton)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (medians reported)")
     p.add_argument("--threads", type=int, default=1,
@@ -40,5 +42,5 @@ def run(args) -> int:
     bench(num_prompts=args.num_prompts, max_tokens=args.max_tokens, min_prompt=args.min_prompt,
           max_prompt=args.max_prompt, block_size=args.block_size, seed=args.seed, repeats=args.repeats,
           json_path=args.json, model=args.model, preset=args.preset,
-          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype)
+          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype, device=args.device)
     return 0

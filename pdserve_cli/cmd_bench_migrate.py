@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
                         "socket instead of the data stream (TransportConfig.inline_bytes, default 256; 0: "
                         "every payload streams): run it twice to find the crossover")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    p.add_argument("--device", default="cpu",
+                   help="both pools' device: cpu or cuda[:i] (zmq transports only; adds the pinned "
+                        "host<->device copy baselines)")
 
 
 def run(args) -> int:
@@ -61,6 +64,8 @@ def run(args) -> int:
         over["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
     if args.no_baselines:
         over["baselines"] = False
+    if args.device != "cpu":
+        over["device"] = args.device
     if args.inline_kib is not None:
         over["inline_bytes"] = args.inline_kib << 10
     cfg = replace(cfg, **over)

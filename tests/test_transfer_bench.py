@@ -87,3 +87,19 @@ def test_cheap_baselines_measure_something():
         assert nixl == {"gb_per_s": None, "note": "nixl not installed"}
     else:
         assert nixl["gb_per_s"] > 0 and nixl["verified"], nixl
+
+
+def test_device_pools_refuse_the_ray_transports_and_only_device_runs_list_pinned_ratios():
+    from dataclasses import replace
+
+    from bench.migrate import QUICK, run_bench
+    with pytest.raises(ValueError, match="zmq transports only"):
+        run_bench(replace(QUICK, device="cuda", transports=("zmq-tcp", "ray")))
+    row = {"transport": "zmq-tcp", "kv_shape": "tiny", "tokens": 16, "bytes": 1 << 20, "gb_per_s": 2.0,
+           "manifest_ratio": 1e-3, "latency_ms_p50": 0.5, "verified": True}
+    host = [{"name": "raw_tcp", "bytes": 1 << 20, "gb_per_s": 4.0}]
+    device = host + [{"name": "pinned_d2h", "bytes": 1 << 20, "gb_per_s": 50.0}]
+    assert "vs_pinned_d2h" not in summarize({"results": [row], "baselines": host})["largest"][0]
+    entry = summarize({"results": [row], "baselines": device})["largest"][0]
+    assert entry["vs_pinned_d2h"] == pytest.approx(0.04) and entry["vs_raw_tcp"] == pytest.approx(0.5)
+    assert "0.04x pinned_d2h" in format_summary(summarize({"results": [row], "baselines": device}))

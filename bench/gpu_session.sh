@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU tier in one prepared run on a CUDA machine (what docs/gpu-results.md records): the CUDA
+# tests (compiled Triton kernels against the torch reference, device-pool migration, the Triton
+# engine's greedy tokens), `pdserve bench kernels` with the device's copy bandwidth, `bench engine`
+# on cuda in bf16 (the 4-layer bench checkpoint, and a random checkpoint of SmolLM2-135M's shape:
+# the GGUF file is too big to carry to a lent machine) and `bench migrate` between device pools.
+# Each stage has its own time limit so one hang costs only its share. Everything lands in $OUT
+# (default out/gpu): one log and a JSON per benchmark. Run from the repository root:
+#   bash bench/gpu_session.sh            (PY=python3; WHEELS=.whl installs missing packages first)
+set -u
+OUT=${OUT:-out/gpu}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_session.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+
+stage() {  # stage NAME SECONDS CMD...: run with a limit and log everything (SKIP="a b" skips stages)
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "=== $name: skipped" | tee -a "$LOG"; return ;; esac
+  echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+if [ -n "${WHEELS:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch, triton, transformers, zmq; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'pyzmq', zmq.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name())"; nproc; } 2>&1 | tee -a "$LOG"
+
+stage tests 150 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 120 tests/test_triton_attention.py \
+  tests/test_transfer_gpu.py "tests/test_engine.py::test_triton_backend_gives_the_same_greedy_tokens"
+stage kernels 110 $PY -m pdserve_cli.main bench kernels --dtype bfloat16 --json "$OUT/kernels.json"
+stage engine_tiny 60 $PY -m pdserve_cli.main bench engine --device cuda --dtype bfloat16 --preset long \
+  --max-batched-tokens 2048 --repeats 5 --json "$OUT/engine_tiny_long.json"
+stage engine_tiny_fp32 40 $PY -m pdserve_cli.main bench engine --device cuda --preset long --repeats 1 \
+  --max-batched-tokens 2048 --json "$OUT/engine_tiny_long_fp32.json"
+SMOL=/tmp/smollm2-shape
+stage smol_checkpoint 40 $PY -c "from bench.engine import write_random_llama as w; w('$SMOL', vocab=49152,
+hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536)"
+stage engine_smol 90 $PY -m pdserve_cli.main bench engine --device cuda --dtype bfloat16 --preset long \
+  --model "$SMOL" --max-batched-tokens 2048 --repeats 5 --json "$OUT/engine_smol_long.json"
+stage migrate 100 $PY -m pdserve_cli.main bench migrate --device cuda --transports zmq-tcp,zmq-ipc \
+  --kv-shape llama3-8b --tokens 256,2048,4096 --repeats 5 --json "$OUT/migrate_cuda.json"
+grep -E "^(=== |FAILED|ERROR)|passed|failed|tok/s|median ratio|identical|GB/s|speedup|kernel |T=" "$LOG" | tail -n 90
