@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU tier in one prepared run on a CUDA machine (what docs/gpu-results.md records): the CUDA
-# tests (compiled Triton kernels against the torch reference, device-pool migration, the Triton
-# engine's greedy tokens), `pdserve bench kernels` with the device's copy bandwidth, `bench engine`
-# on cuda in bf16 (the 4-layer bench checkpoint, and a random checkpoint of SmolLM2-135M's shape:
-# the GGUF file is too big to carry to a lent machine) and `bench migrate` between device pools.
-# Each stage has its own time limit so one hang costs only its share. Everything lands in $OUT
+# The GPU tier in one prepared run on a CUDA machine (what docs/gpu-results.md records):
+# - the CUDA tests: compiled Triton kernels against the torch reference, device-pool migration,
+#   the Triton engine's greedy tokens;
+# - `pdserve bench kernels` with the device's copy bandwidth, and the kernels' launch-parameter
+#   sweep (bench/kernels_sweep.py);
+# - `bench engine` on cuda in bf16: the 4-layer bench checkpoint, and a random checkpoint of
+#   SmolLM2-135M's shape (the GGUF file is too big to carry to a lent machine);
+# - `bench migrate` between device pools.
+# Each stage has its own time limit, so one hang costs only its share. Everything lands in $OUT
 # (default out/gpu): one log and a JSON per benchmark. Run from the repository root:
 #   bash bench/gpu_session.sh            (PY=python3; WHEELS=.whl installs missing packages first)
 set -u
@@ -37,6 +40,7 @@ torch.cuda.get_device_name())"; nproc; } 2>&1 | tee -a "$LOG"
 stage tests 150 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 120 tests/test_triton_attention.py \
   tests/test_transfer_gpu.py "tests/test_engine.py::test_triton_backend_gives_the_same_greedy_tokens"
 stage kernels 110 $PY -m pdserve_cli.main bench kernels --dtype bfloat16 --json "$OUT/kernels.json"
+stage sweep 120 $PY -m bench.kernels_sweep --json "$OUT/kernels_sweep.json"
 stage engine_tiny 60 $PY -m pdserve_cli.main bench engine --device cuda --dtype bfloat16 --preset long \
   --max-batched-tokens 2048 --repeats 5 --json "$OUT/engine_tiny_long.json"
 stage engine_tiny_fp32 40 $PY -m pdserve_cli.main bench engine --device cuda --preset long --repeats 1 \

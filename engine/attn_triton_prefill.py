@@ -76,9 +76,11 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr
 
 
 def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                   meta: AttentionMetadata, qk_scale: float, block_m: int, block_n: int) -> None:
+                   meta: AttentionMetadata, qk_scale: float, block_m: int, block_n: int, num_warps: int = 4,
+                   num_stages: int = 2) -> None:
     """Grid (query tiles of the longest sequence, sequences, query heads); q/out (T, Hq, D),
-    caches (N, B, Hkv, D) with any strides; qk_scale already includes log2(e)."""
+    caches (N, B, Hkv, D) with any strides; qk_scale already includes log2(e). num_warps and
+    num_stages: Triton's launch options (bench.kernels_sweep tunes them)."""
     T, Hq, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_seqs, Hq)
@@ -87,4 +89,4 @@ def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), meta.block_tables.stride(0),
         qk_scale, GROUP=Hq // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_SIZE=B,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
