@@ -33,8 +33,8 @@ class MirrorStep:
     num: int                            # decoding sequences, in slots 0..num-1
     length: int                         # longest context among them (keys attended, padded)
     positions_per_slot: int             # the layout: buffers are viewed (tokens // this, Hkv, this, D)
-    moves: tuple[torch.Tensor, torch.Tensor] | None  # (from slots, to slots)
-    fills: tuple[torch.Tensor, torch.Tensor, int] | None  # (slots, blocks (k * width,), width)
+    moves: list[tuple[int, int]]        # (from slot, to slot) entries to move
+    fills: tuple[list[int], torch.Tensor, int] | None  # (slots, blocks (k * width,), width)
     rows: torch.Tensor | None           # (num,) packed-batch row of slot i (None: row i)
     positions: torch.Tensor             # (num,) position of slot i's new token
     bias: torch.Tensor                  # (num * Hkv, 1, length): 0, or -inf past a sequence's end
@@ -90,10 +90,8 @@ class DecodeMirror:
         past = torch.arange(length, device=device) >= lens[:, None]  # (num, L)
         bias = torch.where(past, float("-inf"), 0.0).to(dtype).repeat_interleave(num_kv_heads, 0)
         by_slot = [rows[r] for r in order]
-        moves = (int64_tensor(moves_from, device), int64_tensor(moves_to, device)) if moves_from else None
-        fills = None if not fill_slots else \
-            (int64_tensor(fill_slots, device), int64_tensor(fill_blocks, device), width)
-        return MirrorStep(num, length, self.positions, moves, fills,
+        fills = None if not fill_slots else (fill_slots, int64_tensor(fill_blocks, device), width)
+        return MirrorStep(num, length, self.positions, list(zip(moves_from, moves_to)), fills,
                           None if by_slot == list(range(num)) else int64_tensor(by_slot, device),
                           lens - 1, bias[:, None, :],  # bias: (num * Hkv, 1, L)
                           torch.arange(num, device=device))
@@ -110,13 +108,15 @@ class DecodeMirror:
         slots = N * B // P
         keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D)  # (S, Hkv, P, D)
                         for buffer in buffers)
-        if step.moves is not None:
-            source, target = step.moves
+        # one slice copy per entry: a few entries a step, and indexed assignment (index_put_) would
+        # copy element by element (2-3x slower here)
+        for source, target in step.moves:
             for buffer in (keys, values):
-                buffer[target, :, :step.length] = buffer[source, :, :step.length]
+                buffer[target, :, :step.length].copy_(buffer[source, :, :step.length])  # (Hkv, L, D)
         if step.fills is not None:
             targets, blocks, width = step.fills
             for buffer, cache in ((keys, k_cache), (values, v_cache)):
                 gathered = cache.index_select(0, blocks).view(len(targets), width * B, Hkv, D)  # (k, W B, ..)
-                buffer[targets, :, :width * B] = gathered.transpose(1, 2)  # (k, Hkv, W B, D)
+                for i, target in enumerate(targets):
+                    buffer[target, :, :width * B].copy_(gathered[i].transpose(0, 1))  # (Hkv, W B, D)
         return keys, values
