@@ -7,8 +7,8 @@ attends causally to positions 0..that position through its block table (lower-ri
 Decode is the case q_len == 1; a prefill chunk, or a prefill after a prefix-cache hit, has
 q_len < seq_len. `build` computes every per-token index (slots, positions) once per step;
 `TorchPlan` adds what the torch backend needs (decode groups with their gather indices and
-masks, per-sequence prefill masks, slot block/offset), built on the first layer and reused by
-the rest. Padded block-table entries point at the pool's null block when one is given.
+masks, prefill sequences with their blocks, slot block/offset), built on the first layer and
+reused by the rest. Padded block-table entries point at the pool's null block when one is given.
 """
 
 from __future__ import annotations
@@ -141,10 +141,8 @@ class PrefillSequence:
     end: int                    # one past its last row
     seq_len: int                # keys it attends (cached + new)
     blocks: torch.Tensor        # (nb,) int64 blocks holding keys 0..seq_len-1
-    mask: torch.Tensor | None   # (Q, seq_len) additive, in the attention dtype: 0 where key j is
-                                # visible to query i (j <= context + i), else -inf (what SDPA would
-                                # make of a bool mask on every call, made once per step);
-                                # None when nothing was cached (plain causal)
+    context: int                # keys cached before this step (seq_len - new tokens); the
+                                # backend masks lower-right causally from it
 
 
 @dataclass
@@ -180,12 +178,7 @@ def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: in
             continue
         n = meta.seq_lens_host[s]
         blocks = int64_tensor(tables[s][:-(-n // B)], device)
-        mask = None
-        if n > q:
-            keys = torch.arange(n, device=device)  # (L,)
-            hidden = keys[None, :] > torch.arange(n - q, n, device=device)[:, None]  # (Q, L) bool
-            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-        prefill.append(PrefillSequence(starts[s], starts[s + 1], n, blocks, mask))
+        prefill.append(PrefillSequence(starts[s], starts[s + 1], n, blocks, n - q))
     T = starts[-1]
     decode_only = not prefill and len(groups) == 1 and groups[0].rows == slice(0, T)
     slots = meta.slot_mapping

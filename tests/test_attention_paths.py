@@ -5,8 +5,9 @@ token over every key up to its absolute position (lower-right aligned when part 
 was cached). Cases: ragged batches mixing one-query (decode) and many-query (prefill, with and
 without a cached prefix) sequences in any order; decode groups split by length; small and wide
 grouped-query shapes (heads as rows, and one matmul pair per kv head); `forward` using the
-step's own K/V; and the decode mirror followed over many steps while sequences join, leave,
-outgrow the layout, and fall back to the gather path; the null block stays zero throughout.
+step's own K/V; prefills longer than one query block; and the decode mirror followed over many
+steps while sequences join, leave, outgrow the layout, and fall back to the gather path; the
+null block stays zero throughout.
 """
 
 import random
@@ -87,6 +88,26 @@ def test_forward_uses_the_steps_own_keys_and_stores_them():
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.3),
                                atol=1e-5, rtol=1e-5)
 
+
+
+def test_long_prefills_attend_in_query_blocks():
+    """Prefills longer than one query block, fresh and after a cached prefix long enough that
+    the cached causal band grows mid-step; `forward` (own K/V) and `paged_attention` agree with
+    the reference."""
+    rng = random.Random(4)
+    seq_lens, query_lens = [150, 1, 200, 1190], [150, 1, 130, 70]  # 70 queries after 1120 cached
+    storage = _pool(2, 8, 2 + sum(-(-n // B) for n in seq_lens))
+    k_cache, v_cache = storage.layer_view(0)
+    tables = _tables(seq_lens, storage.num_blocks, rng)
+    gen = torch.Generator().manual_seed(6)
+    q, key, value = (torch.randn(sum(query_lens), h, 8, generator=gen) for h in (4, 2, 2))
+    for attend in ("forward", "paged_attention"):
+        attn_torch._bands.clear()  # built for the first block, grown past 1024 keys for the last
+        meta = AttentionMetadata.build(tables, seq_lens, query_lens, B, null_block=storage.null_block_id)
+        out = attn_torch.forward(q, key, value, k_cache, v_cache, meta, 0.3) if attend == "forward" else \
+            attn_torch.paged_attention(q, k_cache, v_cache, meta, 0.3)
+        torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.3),
+                                   atol=1e-5, rtol=1e-5)
 
 def test_ragged_decode_splits_into_length_groups():
     rng = random.Random(2)
