@@ -2,9 +2,10 @@
 
 Both expose the same two kernels, `store_kv(key, value, k_cache, v_cache, slot_mapping)` and
 `paged_attention(q, k_cache, v_cache, meta, scale)`, and the model calls `forward(q, key, value,
-k_cache, v_cache, meta, scale, layer)`, which stores then attends (the torch backend's own `forward`
-also skips reading back K/V a fresh prefill already holds). Auto-selection takes Triton on CUDA
-and torch on CPU; PDSERVE_ATTENTION=torch|triton (or the engine's `attention_backend` config
+k_cache, v_cache, meta, scale, layer, keep)`, which stores every row's K/V, then attends and
+returns the rows in `keep` (all when None). The torch backend's own `forward` also skips reading
+back K/V a fresh prefill already holds, and attends only for the kept rows. Auto-selection takes
+Triton on CUDA and torch on CPU; PDSERVE_ATTENTION=torch|triton (or the engine's `attention_backend` config
 field) forces one. A forced Triton backend on CPU needs TRITON_INTERPRET=1.
 """
 
@@ -22,13 +23,14 @@ class AttentionBackend:
     name: str
     store_kv: Callable
     paged_attention: Callable
-    forward: Callable  # (q, key, value, k_cache, v_cache, meta, scale, layer) -> (T, Hq, D)
+    forward: Callable  # (q, key, value, k_cache, v_cache, meta, scale, layer, keep) -> (T or R, Hq, D)
 
 
 def _store_then_attend(store_kv: Callable, paged_attention: Callable) -> Callable:
-    def forward(q, key, value, k_cache, v_cache, meta, scale, layer=None):
+    def forward(q, key, value, k_cache, v_cache, meta, scale, layer=None, keep=None):
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        out = paged_attention(q, k_cache, v_cache, meta, scale)  # (T, Hq, D)
+        return out if keep is None else out[torch.tensor(keep, dtype=torch.int64, device=out.device)]
     return forward
 
 

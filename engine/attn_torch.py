@@ -24,7 +24,14 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from engine.attn_metadata import AttentionMetadata, DecodeGroup, PrefillSequence, TorchPlan, build_torch_plan
+from engine.attn_metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSequence,
+    TorchPlan,
+    build_torch_plan,
+    int64_tensor,
+)
 from engine.attn_mirror import DecodeMirror, MirrorStep
 
 # Prefill attends in blocks of this many queries, each against the keys up to its last query
@@ -102,13 +109,16 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, layer
 
 def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            layer: int | None = None) -> torch.Tensor:
+            layer: int | None = None, keep: list[int] | None = None) -> torch.Tensor:
     """Store the step's K/V (T, Hkv, D) into their slots, then attend: q (T, Hq, D) -> (T, Hq, D).
-    layer: the model layer (the decode mirror keeps buffers per layer; None: no mirror)."""
+    layer: the model layer (the decode mirror keeps buffers per layer; None: no mirror).
+    keep: the only rows whose output is wanted, ascending, each its sequence's last (None: all)
+    -> (len(keep), Hq, D); a prefill sequence then attends for its last row or not at all."""
     plan = _plan(meta, q, k_cache, layer)
     _store(key, value, k_cache, v_cache, plan.slot_blocks, plan.slot_offsets)
+    last_rows = None if keep is None else set(keep)
     if plan.mirror is None:
-        return _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace)
+        return _select(_attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace, last_rows), keep)
     step: MirrorStep = plan.mirror
     keys, values = meta.workspace.mirror.prepare(layer, k_cache, v_cache, step)  # (S, Hkv, P, D) each
     rows = step.rows if step.rows is not None else slice(0, step.num)
@@ -117,13 +127,18 @@ def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: to
     values[slots, :, step.positions] = value[rows].to(values.dtype)
     o = _mirror_decode(q[rows], keys, values, step, scale)  # (num, Hq, D), slot order
     if plan.decode_only:
-        return o
-    out = _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace)
+        return _select(o, keep)
+    out = _attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace, last_rows)
     if step.rows is None:
         out[:step.num] = o
     else:
         out.index_copy_(0, step.rows, o)
-    return out
+    return _select(out, keep)
+
+
+def _select(out: torch.Tensor, keep: list[int] | None) -> torch.Tensor:
+    """out (T, Hq, D) -> rows `keep` (R, Hq, D) (all of them when keep is None)."""
+    return out if keep is None else out.index_select(0, int64_tensor(keep, out.device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -133,9 +148,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                    meta.workspace)
 
 
-def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float,
-            workspace: Workspace | None) -> torch.Tensor:
-    """The gather paths: decode groups and prefill sequences (rows the mirror serves are left unset)."""
+def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float, workspace: Workspace | None,
+            last_rows: set[int] | None = None) -> torch.Tensor:
+    """The gather paths: decode groups and prefill sequences (rows the mirror serves are left unset).
+    last_rows: when given, a prefill sequence attends only if its last row is one of them, and
+    only for that row (the other rows are left unset)."""
     if plan.decode_only:
         return _decode(q, k_cache, v_cache, plan.decode[0], plan.heads_as_rows, scale, workspace)
     out = torch.empty_like(q)  # (T, Hq, D)
@@ -147,7 +164,8 @@ def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float,
         else:
             out.index_copy_(0, group.rows, o)
     for seq in plan.prefill:
-        _prefill(q, key, value, k_cache, v_cache, seq, scale, workspace, out)
+        if last_rows is None or seq.end - 1 in last_rows:
+            _prefill(q, key, value, k_cache, v_cache, seq, scale, workspace, out, last_rows is not None)
     return out
 
 
@@ -204,9 +222,10 @@ def _band(first: int, rows: int, dtype: torch.dtype, device: torch.device) -> to
 
 
 def _prefill(q, key, value, k_cache, v_cache, seq: PrefillSequence, scale: float,
-             workspace: Workspace | None, out: torch.Tensor) -> None:
+             workspace: Workspace | None, out: torch.Tensor, last_only: bool = False) -> None:
     """Causal attention of one sequence's new tokens into out[seq.start:seq.end] (Q, Hq, D), a
-    block of PREFILL_QUERY_BLOCK queries at a time against only the keys up to its last query."""
+    block of PREFILL_QUERY_BLOCK queries at a time against only the keys up to its last query.
+    last_only: only its last query (out[seq.end - 1])."""
     Hq, Hkv = q.shape[1], k_cache.shape[2]
     qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, Q, D)
     if seq.context == 0 and key is not None:  # nothing cached: the step's own K/V are every key
@@ -218,12 +237,14 @@ def _prefill(q, key, value, k_cache, v_cache, seq: PrefillSequence, scale: float
         vs = _gather(v_cache, seq.blocks, workspace, "value").view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
     ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
-    for first in range(0, seq.end - seq.start, PREFILL_QUERY_BLOCK):
-        last = min(seq.end - seq.start, first + PREFILL_QUERY_BLOCK)  # rows first..last-1 of the sequence
+    Q = seq.end - seq.start
+    for first in range(Q - 1 if last_only else 0, Q, PREFILL_QUERY_BLOCK):
+        last = min(Q, first + PREFILL_QUERY_BLOCK)  # rows first..last-1 of the sequence
         keys = seq.context + last  # keys up to the block's last query
-        square = seq.context + first == 0  # a fresh prompt's first block: plain causal
-        mask = None if square else _band(seq.context + first, last - first, qs.dtype, qs.device)
+        causal = last - first > 1 and seq.context + first == 0  # a fresh prompt's first block
+        mask = None if causal or last - first == 1 else \
+            _band(seq.context + first, last - first, qs.dtype, qs.device)  # one query sees every key
         o = F.scaled_dot_product_attention(qs[:, :, first:last], ks[:, :, :keys], vs[:, :, :keys],
-                                           attn_mask=mask, is_causal=square, scale=scale,
+                                           attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=Hq != Hkv)  # (1, Hq, last - first, D)
         out[seq.start + first:seq.start + last] = o[0].transpose(0, 1)  # (last - first, Hq, D)

@@ -2,12 +2,12 @@
 
 `LLMEngine.step()` asks the scheduler for this step's tokens (one per decoding sequence, plus
 prefill chunks within the token budget), runs one packed (varlen) forward with the decode rows
-first, computes logits only for sequences whose every token is now computed, samples all of
-them at once, and reports new tokens per sequence. The same engine serves three roles:
-`colocated` (both phases, the baseline), `prefill` (stop after the first token and hold the
-blocks for export; `computed_blocks` tells, step by step, which blocks a long prompt has
-finished) and `decode` (take requests whose KV was imported and keep generating). Nothing here
-knows about transports, Ray or HTTP.
+first, computes logits only for sequences whose every token is now computed (the last layer runs
+past its attention for their rows alone), samples all of them at once, and reports new tokens
+per sequence. The same engine serves three roles: `colocated` (both phases, the baseline),
+`prefill` (stop after the first token and hold the blocks for export; `computed_blocks` tells,
+step by step, which blocks a long prompt has finished) and `decode` (take requests whose KV was
+imported and keep generating). Nothing here knows about transports, Ray or HTTP.
 """
 
 from __future__ import annotations
@@ -194,10 +194,8 @@ class LLMEngine:
         meta.workspace, meta.seq_ids = self.workspace, [s.seq_id for _, s, _ in entries]
         meta.final_lens = [len(s.prompt_ids) + req.params.max_tokens for req, s, _ in entries]
         with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions,
-                                        self.storage, meta)  # (T, hidden)
-            if len(rows) < len(ids):
-                hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]  # (R, hidden)
+            hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions, self.storage,
+                                        meta, rows if len(rows) < len(ids) else None)  # (R, hidden)
             logits = self.model.compute_logits(hidden).float()  # (R, V)
         for (_, s, _), n in zip(entries, seq_lens):
             self.kv.mark_computed(s.seq_id, n)

@@ -2,13 +2,14 @@
 
 One `forward` runs a packed (varlen) batch: T new tokens of S sequences back to back, described
 by an AttentionMetadata. Each layer projects q, k and v with one fused matmul, rotates q and k
-together from the step's cos/sin rows, and hands them to the attention backend, which writes
-the new K/V into their slots of the KVStorage and attends through the block tables. The MLP's
-gate and up projections are one fused matmul too. Numerics follow transformers' implementation
-(RMSNorm in float32, rotate-half RoPE, SwiGLU) so a checkpoint gives the same logits here as
-there. `checkpoint_views` names every parameter (fused ones as row slices) by its checkpoint key
-without the leading "model."; engine.loader copies checkpoint tensors into those views.
-Logits come out in float32.
+together from the step's cos/sin rows, and hands them to the attention backend, which writes the
+new K/V into their slots of the KVStorage and attends through the block tables. The MLP's gate
+and up projections are one fused matmul too. Given the rows the caller wants, the last layer
+stores every row's K/V but attends, projects and runs its MLP for those rows only. Numerics
+follow transformers' implementation (RMSNorm in float32, rotate-half RoPE, SwiGLU) so a
+checkpoint gives the same logits here as there. `checkpoint_views` names every parameter (fused
+ones as row slices) by its checkpoint key without the leading "model."; engine.loader copies
+checkpoint tensors into those views. Logits come out in float32.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.attn_metadata import AttentionMetadata
+from engine.attn_metadata import AttentionMetadata, int64_tensor
 from engine.config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
 from kvcache.storage import KVStorage
@@ -57,17 +58,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata,
+                keep: list[int] | None = None) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden), or (len(keep), hidden) for the rows in `keep` only (every
+        row's K/V is stored either way)."""
         T = x.shape[0]
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv_proj, o_proj = self.qkv_proj, self.o_proj
         qkv = F.linear(x, qkv_proj.weight, qkv_proj.bias).view(T, Hq + 2 * Hkv, self.head_dim)
         # qkv: (T, Hq + 2 Hkv, D)
         qk = apply_rotary(qkv[:, :Hq + Hkv], cos, sin)  # (T, Hq + Hkv, D): q and k rotated at once
-        o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
-                                 self.scale, self.layer)  # (T, Hq, D)
-        o = o.reshape(T, Hq * self.head_dim)  # (T, Hq D)
-        return F.linear(o, o_proj.weight, o_proj.bias)  # (T, hidden)
+        if keep is None:
+            o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
+                                     self.scale, self.layer)  # (T, Hq, D)
+        else:
+            o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
+                                     self.scale, self.layer, keep)  # (R, Hq, D)
+        o = o.reshape(o.shape[0], Hq * self.head_dim)  # (T or R, Hq D)
+        return F.linear(o, o_proj.weight, o_proj.bias)  # (T or R, hidden)
 
 
 class MLP(nn.Module):
@@ -96,9 +104,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata,
+                keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """h (T, hidden) -> (T, hidden); keep = (rows, the same as an int64 index): past the
+        attention only those rows go on -> (R, hidden)."""
         # .forward directly: the hot path skips nn.Module.__call__ (no hooks are ever registered)
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, k_cache, v_cache, meta)
+        x = self.input_layernorm.forward(h)
+        if keep is None:
+            h = h + self.self_attn.forward(x, cos, sin, k_cache, v_cache, meta)
+        else:
+            a = self.self_attn.forward(x, cos, sin, k_cache, v_cache, meta, keep[0])  # (R, hidden)
+            h = h.index_select(0, keep[1]) + a
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
@@ -157,16 +173,21 @@ class LlamaModel(nn.Module):
                              f"does not fit the model ({c.num_layers} x {c.num_kv_heads} x {c.head_dim})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rows: list[int] | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) int64 on the model's device -> hidden (T, hidden) in the
-        model dtype. New K/V are written into `kv` at meta.slot_mapping."""
+        model dtype. New K/V are written into `kv` at meta.slot_mapping. rows: the only rows the
+        caller wants, ascending, each the last new token of its sequence (None: all) -> (R, hidden):
+        the last layer attends, projects and runs its MLP for those rows only (a prefill chunk
+        that does not end its prompt needs nothing past its last layer's K/V)."""
         self._check(input_ids, positions, kv)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary.tables(positions, h.dtype, meta.max_seq_len - 1)  # (T, D) each
+        keep = None if rows is None else (rows, int64_tensor(rows, h.device))
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer_view(i)  # (N, B, Hkv, D) each
-            h = layer.forward(h, cos, sin, k_cache, v_cache, meta)
-        return self.norm.forward(h)
+            h = layer.forward(h, cos, sin, k_cache, v_cache, meta, keep if i == last else None)
+        return self.norm.forward(h)  # (T or R, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> logits (..., vocab) in float32."""

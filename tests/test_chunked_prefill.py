@@ -2,7 +2,8 @@
 running while a long prompt is chunked, prefill progress (computed blocks) after every step,
 the prefill role holding a chunked prompt's blocks, and preemption by swap of n > 1 requests
 (swap-in reserving a block per running sequence) keeping seeded outputs unchanged; padded table
-entries name the null block; the decode mirror and the block gather give the same tokens."""
+entries name the null block; the decode mirror and the block gather give the same tokens; the
+last layer computed for the sampled rows only gives their hidden states and every row's K/V."""
 
 import pytest
 import torch
@@ -149,3 +150,36 @@ def test_decode_mirror_and_block_gather_give_the_same_tokens(loaded):
     runs = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror)
             .generate(prompts, params) for mirror in (True, False)]
     assert [c.choices for c in runs[0]] == [c.choices for c in runs[1]]
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_last_layer_runs_past_attention_only_for_the_rows_asked(loaded, mirror):
+    """model.forward(rows=...) gives those rows' hidden states (as computing every row and picking
+    them does) and stores every row's K/V all the same: a decode row, a prompt ending in this
+    chunk, a later chunk and a first chunk that end nothing."""
+    from engine.attn_metadata import AttentionMetadata
+    from engine.attn_torch import Workspace
+
+    eng = _engine(loaded, block_size=4, num_blocks=128)
+    model, storage = eng.model, eng.storage
+    seq_lens, query_lens = [21, 70, 70, 50], [1, 70, 30, 50]
+    tables, free = [], list(range(128))
+    for n in seq_lens:
+        tables.append([free.pop() for _ in range(-(-n // 4))])
+    rows = [0, 70]  # the decode row, the last row of the 70-token prompt
+    gen = torch.Generator().manual_seed(2)
+    storage.data.copy_(torch.randn(storage.data.shape, generator=gen))  # the cached context
+    before = storage.data.clone()
+    ids = torch.randint(3, 300, (sum(query_lens),), generator=gen)
+    outs, kv = [], []
+    for keep in (None, rows):
+        storage.data.copy_(before)
+        meta = AttentionMetadata.build(tables, seq_lens, query_lens, 4, null_block=storage.null_block_id)
+        meta.workspace, meta.seq_ids = Workspace(mirror), [0, 1, 2, 3]
+        meta.final_lens = [n + 8 for n in seq_lens]
+        with torch.inference_mode():
+            outs.append(model.forward(ids, meta.positions, storage, meta, keep))
+        kv.append(storage.data.clone())
+    assert outs[0].shape[0] == sum(query_lens) and outs[1].shape[0] == len(rows)
+    torch.testing.assert_close(outs[1], outs[0][rows], atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv[0], kv[1]) and not torch.equal(kv[0], before)
