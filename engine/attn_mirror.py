@@ -8,11 +8,14 @@ new token. The paged pool stays the source of truth: a sequence enters the mirro
 of its blocks (its first decode step, or after any step it did not decode in: preemption, swap,
 fork and import all come back that way), leaves it the first step it does not decode, and the
 slots of those present are kept dense (0..n-1) by moving entries into holes. Each layer's mirror
-is one buffer as large as the pool, allocated once (growing it mid-run would stall a step) and
-viewed as slots x positions; a longer sequence re-lays it out and refills it from the pool. The
-mirror serves a step only while padding every sequence to the longest stays within
-`MAX_PADDING` of the tokens attended and the slots fit; otherwise `plan` returns None, the mirror
-empties, and the backend gathers blocks by length group. Not thread-safe: one per engine.
+is one buffer, as large as the pool when first allocated, viewed as slots x positions (each slot
+padded to the longest length its sequences can reach); a longer sequence re-lays it out and
+refills it from the pool. When the slots do not fit, the buffers grow (by half at least, each
+growth a one-step stall that refills every entry) up to `MAX_GROWTH` times the pool: with prompts
+of mixed lengths, padding the short ones takes more than the pool holds. The mirror serves a step
+only while padding every sequence to the longest stays within `MAX_PADDING` of the tokens
+attended and the slots fit; otherwise `plan` returns None, the mirror empties, and the backend
+gathers blocks by length group. Not thread-safe: one per engine.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from engine.attn_metadata import int64_tensor
 
 MAX_PADDING = 2.0  # padded key slots / attended keys above which the grouped gather path is used
+MAX_GROWTH = 2.0   # the most tokens each layer's buffer may hold, in pool sizes
 
 
 @dataclass
@@ -39,13 +43,15 @@ class MirrorStep:
     positions: torch.Tensor             # (num,) position of slot i's new token
     bias: torch.Tensor                  # (num * Hkv, 1, length): 0, or -inf past a sequence's end
     slots: torch.Tensor | None = None   # (num,) int64 0..num-1 (the new tokens' slots, built once)
+    tokens: int = 0                     # tokens each layer's buffer holds (prepare reallocates if short)
 
 
 class DecodeMirror:
     def __init__(self) -> None:
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> flat (K, V), pool-sized
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> flat (K, V)
         self.entries: dict[object, tuple[int, int, int]] = {}  # seq id -> (slot, tokens held, first block)
         self.positions = 0  # positions per slot of the current layout (0: none yet)
+        self.tokens = 0  # tokens each layer's buffer holds (0: none yet)
 
     def plan(self, seq_ids: list, rows: list[int], seq_lens: list[int], tables: list[list[int]],
              final_len: int, block_size: int, num_kv_heads: int, pool_tokens: int, dtype: torch.dtype,
@@ -56,11 +62,15 @@ class DecodeMirror:
         num, length = len(seq_ids), max(seq_lens)
         width = -(-length // block_size)
         layout = -(-max(final_len, width * block_size) // block_size) * block_size
-        if num * length > MAX_PADDING * sum(seq_lens) + num * block_size or num > pool_tokens // layout:
+        capacity = int(MAX_GROWTH * pool_tokens)
+        if num * length > MAX_PADDING * sum(seq_lens) + num * block_size or num * layout > capacity:
             self.entries.clear()
             return None
-        if width * block_size > self.positions or num > pool_tokens // self.positions:
+        if width * block_size > self.positions or num * self.positions > capacity:
             self.positions = layout  # a new layout (longer, or more slots): every entry is refilled
+            self.entries.clear()
+        if num * self.positions > self.tokens:  # the buffers grow: every entry is refilled
+            self.tokens = min(capacity, max(pool_tokens, num * self.positions, self.tokens * 3 // 2))
             self.entries.clear()
         keep: dict[object, int] = {}  # sequences whose entry holds exactly their tokens before this one
         for seq_id, n, table in zip(seq_ids, seq_lens, tables):
@@ -94,18 +104,18 @@ class DecodeMirror:
         return MirrorStep(num, length, self.positions, list(zip(moves_from, moves_to)), fills,
                           None if by_slot == list(range(num)) else int64_tensor(by_slot, device),
                           lens - 1, bias[:, None, :],  # bias: (num * Hkv, 1, L)
-                          torch.arange(num, device=device))
+                          torch.arange(num, device=device), self.tokens)
 
     def prepare(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Move and fill this layer's entries for the step; returns its (K, V) viewed (S, Hkv, P, D)."""
-        N, B, Hkv, D = k_cache.shape
+        _, B, Hkv, D = k_cache.shape
         buffers = self.buffers.get(layer)
-        if buffers is None:  # as many tokens as the pool; zeroed, so padding reads finite values
-            buffers = self.buffers[layer] = (k_cache.new_zeros(N * B * Hkv * D),
-                                             v_cache.new_zeros(N * B * Hkv * D))
+        if buffers is None or buffers[0].numel() < step.tokens * Hkv * D:  # zeroed: padding stays finite
+            buffers = self.buffers[layer] = (k_cache.new_zeros(step.tokens * Hkv * D),
+                                             v_cache.new_zeros(step.tokens * Hkv * D))
         P = step.positions_per_slot
-        slots = N * B // P
+        slots = step.tokens // P
         keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D)  # (S, Hkv, P, D)
                         for buffer in buffers)
         # one slice copy per entry: a few entries a step, and indexed assignment (index_put_) would

@@ -43,7 +43,7 @@ class EngineConfig:
     num_host_blocks: int = 256       # host swap pool in blocks (0 disables swap preemption)
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
-    decode_mirror: bool = True       # torch backend: decode reads a per-slot K/V buffer (2x KV memory)
+    decode_mirror: bool = True       # torch backend: decode reads a per-slot K/V buffer (2-3x KV memory)
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits

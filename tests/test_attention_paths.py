@@ -6,8 +6,8 @@ was cached). Cases: ragged batches mixing one-query (decode) and many-query (pre
 without a cached prefix) sequences in any order; decode groups split by length; small and wide
 grouped-query shapes (heads as rows, and one matmul pair per kv head); `forward` using the
 step's own K/V; prefills longer than one query block; and the decode mirror followed over many
-steps while sequences join, leave, outgrow the layout, and fall back to the gather path; the
-null block stays zero throughout.
+steps while sequences join, leave, outgrow the layout, and fall back to the gather path, and
+growing past the pool's size for mixed lengths; the null block stays zero throughout.
 """
 
 import random
@@ -187,3 +187,20 @@ def test_decode_mirror_follows_sequences_across_steps():
     paths += [_mirror_step(storage, workspace, live, rng, 4, layer_views) for _ in range(2)]
     assert paths == [True] * 8 + [False] + [True] * 2
     assert torch.count_nonzero(layer_views[0][0][storage.null_block_id]) == 0
+
+
+def test_decode_mirror_grows_past_the_pool_for_mixed_lengths():
+    """Slots padded to the longest final length take more tokens than the pool holds: the
+    mirror's buffers grow (up to MAX_GROWTH pools) instead of falling back to the gather path."""
+    rng = random.Random(3)
+    storage = _pool(2, 8, 60)
+    storage.free_blocks = list(range(60))
+    rng.shuffle(storage.free_blocks)
+    layer_views = [storage.layer_view(i) for i in range(2)]
+    workspace = attn_torch.Workspace()
+    live = {}
+    for seq_id, n in enumerate([12, 30, 14, 28, 16, 26, 18, 24]):  # 8 slots x 40 positions > 244 tokens
+        live[seq_id] = [[storage.free_blocks.pop() for _ in range(-(-n // B))], n]
+    paths = [_mirror_step(storage, workspace, live, rng, 4, layer_views) for _ in range(3)]
+    pool_tokens = layer_views[0][0].shape[0] * B
+    assert paths == [True] * 3 and pool_tokens < workspace.mirror.tokens <= 2 * pool_tokens
