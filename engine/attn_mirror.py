@@ -10,12 +10,15 @@ fork and import all come back that way), leaves it the first step it does not de
 slots of those present are kept dense (0..n-1) by moving entries into holes. Each layer's mirror
 is one buffer, as large as the pool when first allocated, viewed as slots x positions (each slot
 padded to the longest length its sequences can reach); a longer sequence re-lays it out and
-refills it from the pool. When the slots do not fit, the buffers grow (by half at least, each
-growth a one-step stall that refills every entry) up to `MAX_GROWTH` times the pool: with prompts
-of mixed lengths, padding the short ones takes more than the pool holds. The mirror serves a step
-only while padding every sequence to the longest stays within `MAX_PADDING` of the tokens
-attended and the slots fit; otherwise `plan` returns None, the mirror empties, and the backend
-gathers blocks by length group. Not thread-safe: one per engine.
+refills it from the pool. When the slots do not fit, the buffers grow (by half at least) up to
+`MAX_GROWTH` times the pool: with prompts of mixed lengths, padding the short ones takes more
+than the pool holds. On CPU that much address space is reserved at first use and taken as needed
+(no copy, no page touched before a fill writes it); elsewhere growing copies what was held.
+Every slot is written whole when filled (its padding zeroed), so nothing read is ever
+uninitialised. The mirror serves a step only while padding every sequence to the longest stays
+within `MAX_PADDING` of the tokens attended and the slots fit; otherwise `plan` returns None,
+the mirror empties, and the backend gathers blocks by length group. Not thread-safe: one per
+engine.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class MirrorStep:
     positions: torch.Tensor             # (num,) position of slot i's new token
     bias: torch.Tensor                  # (num * Hkv, 1, length): 0, or -inf past a sequence's end
     slots: torch.Tensor | None = None   # (num,) int64 0..num-1 (the new tokens' slots, built once)
-    tokens: int = 0                     # tokens each layer's buffer holds (prepare reallocates if short)
+    tokens: int = 0                     # tokens each layer's buffers hold (prepare grows them if short)
+    reserve: int = 0                    # the most tokens they may come to hold (MAX_GROWTH pools)
 
 
 class DecodeMirror:
@@ -51,7 +55,7 @@ class DecodeMirror:
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> flat (K, V)
         self.entries: dict[object, tuple[int, int, int]] = {}  # seq id -> (slot, tokens held, first block)
         self.positions = 0  # positions per slot of the current layout (0: none yet)
-        self.tokens = 0  # tokens each layer's buffer holds (0: none yet)
+        self.tokens = 0  # tokens each layer's buffers hold (0: none yet)
 
     def plan(self, seq_ids: list, rows: list[int], seq_lens: list[int], tables: list[list[int]],
              final_len: int, block_size: int, num_kv_heads: int, pool_tokens: int, dtype: torch.dtype,
@@ -69,9 +73,8 @@ class DecodeMirror:
         if width * block_size > self.positions or num * self.positions > capacity:
             self.positions = layout  # a new layout (longer, or more slots): every entry is refilled
             self.entries.clear()
-        if num * self.positions > self.tokens:  # the buffers grow: every entry is refilled
+        if num * self.positions > self.tokens:  # the buffers grow; slot-major, so entries keep their place
             self.tokens = min(capacity, max(pool_tokens, num * self.positions, self.tokens * 3 // 2))
-            self.entries.clear()
         keep: dict[object, int] = {}  # sequences whose entry holds exactly their tokens before this one
         for seq_id, n, table in zip(seq_ids, seq_lens, tables):
             entry = self.entries.get(seq_id)
@@ -104,16 +107,25 @@ class DecodeMirror:
         return MirrorStep(num, length, self.positions, list(zip(moves_from, moves_to)), fills,
                           None if by_slot == list(range(num)) else int64_tensor(by_slot, device),
                           lens - 1, bias[:, None, :],  # bias: (num * Hkv, 1, L)
-                          torch.arange(num, device=device), self.tokens)
+                          torch.arange(num, device=device), self.tokens, capacity)
 
     def prepare(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Move and fill this layer's entries for the step; returns its (K, V) viewed (S, Hkv, P, D)."""
         _, B, Hkv, D = k_cache.shape
         buffers = self.buffers.get(layer)
-        if buffers is None or buffers[0].numel() < step.tokens * Hkv * D:  # zeroed: padding stays finite
-            buffers = self.buffers[layer] = (k_cache.new_zeros(step.tokens * Hkv * D),
-                                             v_cache.new_zeros(step.tokens * Hkv * D))
+        need = step.tokens * Hkv * D
+        if buffers is None or buffers[0].numel() < need:
+            # on CPU, address space for the most the buffers may hold: growing into it touches no page
+            # before a fill writes it (a first touch costs about 2 us a page on the bench VM)
+            size = max(need, step.reserve * Hkv * D) if k_cache.device.type == "cpu" else need
+            grown = (k_cache.new_empty(size), v_cache.new_empty(size))
+            for i, new in enumerate(grown):
+                if buffers is None:  # first use (an engine's warm-up): touch the pool-sized part now
+                    new[:need].zero_()
+                else:  # the slots held so far, where they were (slot-major)
+                    new[:buffers[i].numel()].copy_(buffers[i])
+            buffers = self.buffers[layer] = grown
         P = step.positions_per_slot
         slots = step.tokens // P
         keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D)  # (S, Hkv, P, D)
@@ -129,4 +141,5 @@ class DecodeMirror:
                 gathered = cache.index_select(0, blocks).view(len(targets), width * B, Hkv, D)  # (k, W B, ..)
                 for i, target in enumerate(targets):
                     buffer[target, :, :width * B].copy_(gathered[i].transpose(0, 1))  # (Hkv, W B, D)
+                    buffer[target, :, width * B:].zero_()  # the slot's padding reads finite values
         return keys, values

@@ -191,16 +191,24 @@ def test_decode_mirror_follows_sequences_across_steps():
 
 def test_decode_mirror_grows_past_the_pool_for_mixed_lengths():
     """Slots padded to the longest final length take more tokens than the pool holds: the
-    mirror's buffers grow (up to MAX_GROWTH pools) instead of falling back to the gather path."""
+    mirror's buffers grow (up to MAX_GROWTH pools), keeping the entries they held, instead of
+    falling back to the gather path; what they had not held yet is garbage (NaN) here, which no
+    read may see."""
     rng = random.Random(3)
-    storage = _pool(2, 8, 60)
-    storage.free_blocks = list(range(60))
+    storage = _pool(2, 8, 70)
+    storage.free_blocks = list(range(70))
     rng.shuffle(storage.free_blocks)
     layer_views = [storage.layer_view(i) for i in range(2)]
     workspace = attn_torch.Workspace()
     live = {}
-    for seq_id, n in enumerate([12, 30, 14, 28, 16, 26, 18, 24]):  # 8 slots x 40 positions > 244 tokens
-        live[seq_id] = [[storage.free_blocks.pop() for _ in range(-(-n // B))], n]
-    paths = [_mirror_step(storage, workspace, live, rng, 4, layer_views) for _ in range(3)]
     pool_tokens = layer_views[0][0].shape[0] * B
-    assert paths == [True] * 3 and pool_tokens < workspace.mirror.tokens <= 2 * pool_tokens
+    paths = []
+    for joining in ([12, 30, 14, 28, 16, 26], [18, 24]):  # 6, then 8 slots x 44 positions; 284 in the pool
+        for n in joining:
+            live[len(live)] = [[storage.free_blocks.pop() for _ in range(-(-n // B))], n]
+        paths += [_mirror_step(storage, workspace, live, rng, 4, layer_views) for _ in range(5)]
+        assert workspace.mirror.tokens == (pool_tokens if len(live) == 6 else 3 * pool_tokens // 2)
+        for buffers in workspace.mirror.buffers.values():
+            for buffer in buffers:
+                buffer[workspace.mirror.tokens * 2 * 8:].fill_(float("nan"))  # past the part in use
+    assert paths == [True] * 10
