@@ -182,6 +182,7 @@ class LlamaModel(nn.Module):
         self._check(input_ids, positions, kv)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary.tables(positions, h.dtype, meta.max_seq_len - 1)  # (T, D) each
+        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D): every head of a row alike
         keep = None if rows is None else (rows, int64_tensor(rows, h.device))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -80,11 +80,11 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos and sign-folded sin: (T, D) in x's dtype (from `tables`) -> (T, H, D).
+    """x: (T, H, D); cos and sign-folded sin: (T, 1, D) in x's dtype (`tables`' rows, unsqueezed
+    once per step) -> (T, H, D).
 
     Equals transformers' x * cos + rotate_half(x) * sin, rounding included: the only
     difference is where the minus sign sits, and negation is exact.
     """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, H, D)
-    return x * cos[:, None, :] + swapped * sin[:, None, :]
+    swapped = x.roll(x.shape[-1] // 2, -1)  # (T, H, D): the halves swapped
+    return (x * cos).add_(swapped.mul_(sin))
