@@ -13,12 +13,12 @@ padded to the longest length its sequences can reach); a longer sequence re-lays
 refills it from the pool. When the slots do not fit, the buffers grow (by half at least) up to
 `MAX_GROWTH` times the pool: with prompts of mixed lengths, padding the short ones takes more
 than the pool holds. On CPU that much address space is reserved at first use and taken as needed
-(no copy, no page touched before a fill writes it); elsewhere growing copies what was held.
-Every slot is written whole when filled (its padding zeroed), so nothing read is ever
-uninitialised. The mirror serves a step only while padding every sequence to the longest stays
-within `MAX_PADDING` of the tokens attended and the slots fit; otherwise `plan` returns None,
-the mirror empties, and the backend gathers blocks by length group. Not thread-safe: one per
-engine.
+(no copy, no page touched before a fill writes it); elsewhere growing copies what was held. A
+slot past the part zeroed at first use gets its padding zeroed when filled, so nothing read is
+ever uninitialised. The mirror serves a step only while padding every sequence to the longest
+stays within `MAX_PADDING` of the tokens attended and the slots fit; otherwise `plan` returns
+None, the mirror empties, and the backend gathers blocks by length group. Not thread-safe: one
+per engine.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class DecodeMirror:
         self.entries: dict[object, tuple[int, int, int]] = {}  # seq id -> (slot, tokens held, first block)
         self.positions = 0  # positions per slot of the current layout (0: none yet)
         self.tokens = 0  # tokens each layer's buffers hold (0: none yet)
+        self.finite: dict[int, int] = {}  # layer -> tokens from its buffers' start zeroed or written
 
     def plan(self, seq_ids: list, rows: list[int], seq_lens: list[int], tables: list[list[int]],
              final_len: int, block_size: int, num_kv_heads: int, pool_tokens: int, dtype: torch.dtype,
@@ -120,12 +121,13 @@ class DecodeMirror:
             # before a fill writes it (a first touch costs about 2 us a page on the bench VM)
             size = max(need, step.reserve * Hkv * D) if k_cache.device.type == "cpu" else need
             grown = (k_cache.new_empty(size), v_cache.new_empty(size))
+            held = 0 if buffers is None else buffers[0].numel()
             for i, new in enumerate(grown):
-                if buffers is None:  # first use (an engine's warm-up): touch the pool-sized part now
-                    new[:need].zero_()
-                else:  # the slots held so far, where they were (slot-major)
-                    new[:buffers[i].numel()].copy_(buffers[i])
+                if held:  # the slots held so far, where they were (slot-major)
+                    new[:held].copy_(buffers[i])
+                new[held:need].zero_()  # padding reads finite values (first use: in a warm-up)
             buffers = self.buffers[layer] = grown
+            self.finite[layer] = step.tokens  # tokens from the start known to read finite
         P = step.positions_per_slot
         slots = step.tokens // P
         keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D)  # (S, Hkv, P, D)
@@ -141,5 +143,6 @@ class DecodeMirror:
                 gathered = cache.index_select(0, blocks).view(len(targets), width * B, Hkv, D)  # (k, W B, ..)
                 for i, target in enumerate(targets):
                     buffer[target, :, :width * B].copy_(gathered[i].transpose(0, 1))  # (Hkv, W B, D)
-                    buffer[target, :, width * B:].zero_()  # the slot's padding reads finite values
+                    if (target + 1) * P > self.finite[layer]:  # reserved, never written: padding reads
+                        buffer[target, :, width * B:].zero_()  # finite values once zeroed
         return keys, values
