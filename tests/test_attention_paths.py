@@ -157,16 +157,19 @@ def _mirror_step(storage, workspace, live, rng, heads, layer_views):
     return used_mirror[0]
 
 
+def _mirror_setup(seed: int, num_blocks: int):
+    """(rng, a 2-layer pool with shuffled free blocks, its layer views, a workspace, no live sequences)."""
+    rng = random.Random(seed)
+    storage = _pool(2, 8, num_blocks)
+    storage.free_blocks = list(range(num_blocks))
+    rng.shuffle(storage.free_blocks)
+    return rng, storage, [storage.layer_view(i) for i in range(2)], attn_torch.Workspace(), {}
+
+
 def test_decode_mirror_follows_sequences_across_steps():
     """Sequences decode, join (filled from the pool), leave (holes filled by moves), outgrow the
     layout (re-laid out), and a ragged batch falls back to the gather path and back again."""
-    rng = random.Random(7)
-    storage = _pool(2, 8, 400)
-    storage.free_blocks = list(range(400))
-    rng.shuffle(storage.free_blocks)
-    layer_views = [storage.layer_view(i) for i in range(2)]
-    workspace = attn_torch.Workspace()
-    live = {}
+    rng, storage, layer_views, workspace, live = _mirror_setup(7, 400)
 
     def join(seq_id, n):
         live[seq_id] = [[storage.free_blocks.pop() for _ in range(-(-n // B))], n]
@@ -194,13 +197,7 @@ def test_decode_mirror_grows_past_the_pool_for_mixed_lengths():
     mirror's buffers grow (up to MAX_GROWTH pools), keeping the entries they held, instead of
     falling back to the gather path; what they had not held yet is garbage (NaN) here, which no
     read may see."""
-    rng = random.Random(3)
-    storage = _pool(2, 8, 70)
-    storage.free_blocks = list(range(70))
-    rng.shuffle(storage.free_blocks)
-    layer_views = [storage.layer_view(i) for i in range(2)]
-    workspace = attn_torch.Workspace()
-    live = {}
+    rng, storage, layer_views, workspace, live = _mirror_setup(3, 70)
     pool_tokens = layer_views[0][0].shape[0] * B
     paths = []
     for joining in ([12, 30, 14, 28, 16, 26], [18, 24]):  # 6, then 8 slots x 44 positions; 284 in the pool
