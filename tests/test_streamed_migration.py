@@ -6,6 +6,7 @@ corrupted second chunk, or a final state that does not continue the offer is ref
 leaves the receiver's pool as it was. On a local Ray cluster whose step budget splits prompts
 into chunks, over zmq and ray: greedy tokens through streamed migrations equal the local engine's."""
 
+import threading
 import time
 
 import pytest
@@ -154,12 +155,30 @@ def test_cluster_greedy_tokens_through_streamed_migrations_equal_the_local_engin
         srv.stop()
 
 
+def _frozen_stream(tx, src, table, tokens):
+    """Start a streamed migration of r/0 (epoch 1) on a thread whose feed sends 4 blocks and then
+    freezes until `thaw` is set: -> (thread, thaw, TransferErrors the sender raised)."""
+    thaw, errors = threading.Event(), []
+
+    def frozen_feed():
+        yield [(i, table.blocks[i]) for i in range(4)]
+        thaw.wait(20)  # frozen: the stream stays open
+
+    def run():
+        try:
+            tx.migrate_streamed(src, "r/0", 1, tokens, {"max_tokens": 4}, frozen_feed())
+        except E.TransferError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, thaw, errors
+
+
 def test_a_newer_epoch_supersedes_a_stream_left_open_by_a_frozen_sender(gen):
     """The coordinator re-ran the request (its prefill worker froze mid-stream): the rerun's offer
     under a newer epoch ends the old stream at once (its blocks back, StaleEpoch counted) instead
     of being refused until the old stream's idle timeout."""
-    import threading
-
     src, dst = pool(), pool()
     fill_random_sequence(src, "a", 200, gen)
     t = src.table("a")
@@ -168,20 +187,7 @@ def test_a_newer_epoch_supersedes_a_stream_left_open_by_a_frozen_sender(gen):
     served = Served(dst, idle_timeout_s=30.0)  # far beyond this test: only superseding ends it
     cfg = TransportConfig(address=served.rx.address, chunk_bytes=4096)
     frozen, rerun = (ZmqSender(src.storage.layout.fingerprint(), cfg) for _ in range(2))
-    thaw, errors = threading.Event(), []
-
-    def frozen_feed():
-        yield [(i, t.blocks[i]) for i in range(4)]
-        thaw.wait(20)  # frozen: the stream stays open
-
-    def run_frozen():
-        try:
-            frozen.migrate_streamed(src, "r/0", 1, tokens, {"max_tokens": 4}, frozen_feed())
-        except E.TransferError as e:
-            errors.append(e)
-
-    th = threading.Thread(target=run_frozen, daemon=True)
-    th.start()
+    th, thaw, errors = _frozen_stream(frozen, src, t, tokens)
     try:
         deadline = time.monotonic() + 10
         while not served.rx.in_flight() and time.monotonic() < deadline:
@@ -210,8 +216,6 @@ def test_a_newer_epoch_supersedes_a_stream_left_open_by_a_frozen_sender(gen):
 def test_an_aborted_request_returns_its_open_streams_blocks_at_once(gen):
     """The coordinator aborts a request whose stream is still open (its last prefill worker froze):
     the decode worker's Abort ends the stream now, not at the idle timeout."""
-    import threading
-
     from transfer.zmq_transport import ZmqReceiver
 
     src, dst = pool(), pool()
@@ -220,20 +224,7 @@ def test_an_aborted_request_returns_its_open_streams_blocks_at_once(gen):
     before = snapshot(dst)
     rx = ZmqReceiver(dst, TransportConfig(address="tcp://127.0.0.1:0", idle_timeout_s=30.0))
     tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=rx.address, chunk_bytes=4096))
-    thaw, errors = threading.Event(), []
-
-    def frozen_feed():
-        yield [(i, t.blocks[i]) for i in range(4)]
-        thaw.wait(20)
-
-    def run():
-        try:
-            tx.migrate_streamed(src, "r/0", 1, t.token_ids[:200], {"max_tokens": 4}, frozen_feed())
-        except E.TransferError as e:
-            errors.append(e)
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
+    th, thaw, errors = _frozen_stream(tx, src, t, t.token_ids[:200])
     try:
         deadline = time.monotonic() + 10
         while "r/0" not in rx.in_flight() and time.monotonic() < deadline:
