@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from coordinator.bounded import bounded
 from coordinator.guard import Overloaded
 from coordinator.protocol import InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.workers import RequestState, command, tell
@@ -72,7 +73,7 @@ class AdmissionMixin:
         turn = asyncio.get_running_loop().create_future()
         self._waiters.append(turn)
         try:
-            await asyncio.wait_for(turn, timeout)
+            await bounded(turn, timeout)
         except asyncio.TimeoutError:  # no report woke it: look again anyway
             pass
         finally:

@@ -33,6 +33,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from coordinator.bounded import bounded
 from coordinator.metrics import worker_metrics_text
 from coordinator.protocol import APIError, InvalidRequest, ServiceUnavailable, Timeout
 from protocol.messages import Abort, Reply, RequestFailed, Submit
@@ -163,7 +164,7 @@ class LocalEngineBackend:
         try:
             while True:
                 try:
-                    batch = await asyncio.wait_for(sink.q.get(), self.config.event_timeout_s)
+                    batch = await bounded(sink.q.get(), self.config.event_timeout_s)
                 except asyncio.TimeoutError:
                     raise Timeout(f"no engine output for {self.config.event_timeout_s}s") from None
                 if isinstance(batch, APIError):

@@ -21,6 +21,7 @@ import logging
 import uuid
 
 from coordinator.admission import AdmissionMixin
+from coordinator.bounded import bounded
 from coordinator.config import ClusterConfig
 from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
@@ -139,7 +140,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
             await self._dispatch(request)
             while True:
                 try:
-                    event = await asyncio.wait_for(request.q.get(), self.config.event_timeout_s)
+                    event = await bounded(request.q.get(), self.config.event_timeout_s)
                 except asyncio.TimeoutError:
                     raise Timeout(f"no worker output for {self.config.event_timeout_s}s") from None
                 if isinstance(event, APIError):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.backend import FinalEvent, TokenEvent
+from coordinator.bounded import bounded
 from coordinator.detokenize import Detokenizer
 from coordinator.metrics import Metrics
 from coordinator.protocol import APIError, InternalError, Timeout
@@ -92,7 +93,7 @@ class CompletionRun:
 
     async def _next(self, gen, timeout: float):
         try:
-            return await asyncio.wait_for(gen.__anext__(), timeout)
+            return await bounded(gen.__anext__(), timeout)
         except StopAsyncIteration:
             return None
         except asyncio.TimeoutError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from coordinator.bounded import bounded
 from coordinator.chat import CHAT, parse_chat_request
 from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
 from coordinator.guard import Admission, check_api_key
@@ -128,7 +129,7 @@ async def _answer(request: web.Request, shape: ResponseFormat, parse) -> web.Str
 
     try:
         try:
-            raw = await asyncio.wait_for(request.read(), cfg.read_timeout_s)
+            raw = await bounded(request.read(), cfg.read_timeout_s)
         except asyncio.TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"request body not received within {cfg.read_timeout_s:g}s") \
                 from None
@@ -184,7 +185,7 @@ async def _whole(run: CompletionRun, model: str, shape: ResponseFormat) -> web.R
 async def _write(resp: web.StreamResponse, data: bytes, timeout_s: float) -> None:
     """One chunk to a client that must take it within timeout_s (else the stream is dropped)."""
     try:
-        await asyncio.wait_for(resp.write(data), timeout_s)
+        await bounded(resp.write(data), timeout_s)
     except asyncio.TimeoutError:
         raise ConnectionResetError(f"the client took no data for {timeout_s:g}s") from None
 

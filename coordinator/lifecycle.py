@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from coordinator.bounded import bounded
 from coordinator.protocol import ServiceUnavailable
 from coordinator.workers import call, command, spawn_worker, spawn_workers
 from protocol.curve import ClusterKeys
@@ -45,7 +46,7 @@ class LifecycleMixin:
         self.workers.update(spawn_workers(c, self._pull.address, self.namespace, self._kv_host(),
                                           self._published, self.keys))
         try:
-            infos = await asyncio.wait_for(asyncio.gather(
+            infos = await bounded(asyncio.gather(
                 *(self._describe(worker) for worker in self.workers.values())), c.start_timeout_s)
             if not self.colocated:
                 for p in self._role("prefill"):

@@ -15,6 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from coordinator.bounded import bounded
 from protocol.codec import decode, encode
 
 ROLES_DISAGGREGATED = ("prefill", "decode")
@@ -95,7 +96,7 @@ class RequestState:
 
 async def call(ref, timeout: float):
     """Await a Ray object ref, at most `timeout` seconds."""
-    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    return await bounded(asyncio.wrap_future(ref.future()), timeout)
 
 
 async def command(worker: WorkerState, cmd, timeout: float):
