@@ -44,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
     decode_mirror: bool = True       # torch backend: decode reads a per-slot K/V buffer (2-3x KV memory)
+    cpu_gemm: bool = True            # CPU float32: matmuls via oneDNN, weights packed once (a 2nd copy)
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
@@ -73,7 +74,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.backend = get_backend(config.attention_backend, self.device)
         if loaded is None:
-            loaded = load_model(config.model, device=config.device, dtype=config.dtype, backend=self.backend)
+            loaded = load_model(config.model, device=config.device, dtype=config.dtype, backend=self.backend,
+                                cpu_gemm=config.cpu_gemm)
         self.model, self.model_config, self.tokenizer = loaded
         self.model_id = model_identity(self.model_config, self.model)
         kv_dtype = dtype_name(next(self.model.parameters()).dtype)

@@ -43,11 +43,12 @@ def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None) -> torc
 
 
 def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               backend: AttentionBackend | str | None = None
+               backend: AttentionBackend | str | None = None, cpu_gemm: bool = True
                ) -> tuple[LlamaModel, ModelConfig, ByteTokenizer | HFTokenizer]:
     """Returns (model in eval mode on `device`, its config with the dtype it runs in, tokenizer).
 
     backend: an AttentionBackend, a backend name ('torch', 'triton', 'auto') or None (auto).
+    cpu_gemm: float32 on CPU, projections through oneDNN with packed weights (engine.cpu_gemm).
     """
     device = torch.device(device)
     run_dtype = resolve_dtype(device, dtype)
@@ -73,6 +74,7 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         load_weights(model, directory)
         tokenizer = load_tokenizer(directory, config)
     model.eval().requires_grad_(False)
+    model.pack_cpu_gemm(cpu_gemm)  # a no-op off CPU float32
     config = dataclasses.replace(config, dtype=dtype_name(run_dtype))
     return model, config, tokenizer
 

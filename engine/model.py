@@ -9,7 +9,8 @@ stores every row's K/V but attends, projects and runs its MLP for those rows onl
 follow transformers' implementation (RMSNorm in float32, rotate-half RoPE, SwiGLU) so a
 checkpoint gives the same logits here as there. `checkpoint_views` names every parameter (fused
 ones as row slices) by its checkpoint key without the leading "model."; engine.loader copies
-checkpoint tensors into those views. Logits come out in float32.
+checkpoint tensors into those views. Logits come out in float32. On CPU in float32 every
+projection runs through oneDNN with its weight packed once (`pack_cpu_gemm`, engine.cpu_gemm).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.attn_metadata import AttentionMetadata, int64_tensor
 from engine.config import ModelConfig
+from engine.cpu_gemm import MIN_PACKED_ELEMENTS, PackedLinear, Projection, pack
 from engine.rope import RotaryEmbedding, apply_rotary
 from kvcache.storage import KVStorage
 
@@ -53,9 +55,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                                  bias=c.attention_bias)  # rows: q, then k, then v
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.qkv_proj = Projection(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                                   bias=c.attention_bias)  # rows: q, then k, then v
+        self.o_proj = Projection(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -64,8 +66,7 @@ class Attention(nn.Module):
         row's K/V is stored either way)."""
         T = x.shape[0]
         Hq, Hkv = self.num_heads, self.num_kv_heads
-        qkv_proj, o_proj = self.qkv_proj, self.o_proj
-        qkv = F.linear(x, qkv_proj.weight, qkv_proj.bias).view(T, Hq + 2 * Hkv, self.head_dim)
+        qkv = self.qkv_proj.forward(x).view(T, Hq + 2 * Hkv, self.head_dim)
         # qkv: (T, Hq + 2 Hkv, D)
         qk = apply_rotary(qkv[:, :Hq + Hkv], cos, sin)  # (T, Hq + Hkv, D): q and k rotated at once
         if keep is None:
@@ -75,7 +76,7 @@ class Attention(nn.Module):
             o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
                                      self.scale, self.layer, keep)  # (R, Hq, D)
         o = o.reshape(o.shape[0], Hq * self.head_dim)  # (T or R, Hq D)
-        return F.linear(o, o_proj.weight, o_proj.bias)  # (T or R, hidden)
+        return self.o_proj.forward(o)  # (T or R, hidden)
 
 
 class MLP(nn.Module):
@@ -85,14 +86,14 @@ class MLP(nn.Module):
         super().__init__()
         c = config
         self.intermediate_size = c.intermediate_size
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)  # gate, up
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up_proj = Projection(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)  # gate, up
+        self.down_proj = Projection(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up_proj, down_proj, inter = self.gate_up_proj, self.down_proj, self.intermediate_size
-        gate_up = F.linear(x, gate_up_proj.weight, gate_up_proj.bias)  # (T, 2 I)
+        inter = self.intermediate_size
+        gate_up = self.gate_up_proj.forward(x)  # (T, 2 I)
         gate = F.silu(gate_up[:, :inter])  # (T, I)
-        return F.linear(gate.mul_(gate_up[:, inter:]), down_proj.weight, down_proj.bias)  # (T, hidden)
+        return self.down_proj.forward(gate.mul_(gate_up[:, inter:]))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -135,7 +136,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Projection(config.hidden_size, config.vocab_size, bias=False))
+        self.logits_packed: PackedLinear | None = None  # set by pack_cpu_gemm
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """Every parameter under its checkpoint key (without "model."), in the order an unfused
@@ -190,7 +192,22 @@ class LlamaModel(nn.Module):
             h = layer.forward(h, cos, sin, k_cache, v_cache, meta, keep if i == last else None)
         return self.norm.forward(h)  # (T or R, hidden)
 
+    def pack_cpu_gemm(self, enabled: bool = True, min_elements: int = MIN_PACKED_ELEMENTS) -> None:
+        """Route every projection and the logits through oneDNN with packed weights (engine.cpu_gemm)
+        where that applies (float32 on CPU), or back to F.linear (not enabled). Call after the
+        weights are loaded and the model moved: packing copies the weights as they are.
+        min_elements: weights smaller than this stay on F.linear (oneDNN's call costs more)."""
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.pack_cpu(enabled, min_elements)
+        if self.lm_head is not None:
+            self.logits_packed = self.lm_head.packed
+        else:  # tied: the logits reuse the embedding matrix, packed for them
+            self.logits_packed = pack(self.embed_tokens.weight, None, min_elements) if enabled else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> logits (..., vocab) in float32."""
+        if self.logits_packed is not None:
+            return self.logits_packed(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -3,7 +3,8 @@ checkpoints (hf_checkpoints.py) are loaded by engine.loader; full-prompt logits 
 transformers' forward in float32 and greedy ids over 32 new tokens must equal
 `generate(do_sample=False)`, with the engine side running through the paged KV cache
 (KVCacheManager + KVStorage + AttentionMetadata): one packed prefill of ragged prompts, then one
-packed decode step per token, plus a prefix-cache hit. The built-in tiny model is checked for
+packed decode step per token, plus a prefix-cache hit; with the projections on F.linear and on
+oneDNN's packed weights (engine.cpu_gemm). The built-in tiny model is checked for
 determinism the same way. Loader, config and tokenizer checks are in test_model_hf_loading.py.
 """
 
@@ -81,8 +82,12 @@ class PagedRunner:
         return out, prefill, hits
 
 
-def test_logits_and_greedy_match_transformers(checkpoint):
-    model, config, _ = load_model(checkpoint.dir, device="cpu", backend="torch")
+@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+def test_logits_and_greedy_match_transformers(checkpoint, gemm):
+    model, config, _ = load_model(checkpoint.dir, device="cpu", backend="torch", cpu_gemm=False)
+    if gemm == "onednn":  # these weights are below the size that packs by default: pack them anyway
+        model.pack_cpu_gemm(True, min_elements=0)
+        assert model.layers[0].mlp.down_proj.packed is not None and model.logits_packed is not None
     assert config.dtype == "float32" and next(model.parameters()).dtype == torch.float32
     runner = PagedRunner(model, config)
     prompts = dict(enumerate(checkpoint.prompts))
