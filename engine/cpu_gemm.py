@@ -24,7 +24,9 @@ MIN_PACKED_ELEMENTS = 1 << 17
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, name) for name in ("_linear_pointwise", "_reorder_linear_weight"))
 
 
 class PackedLinear:
