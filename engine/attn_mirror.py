@@ -12,7 +12,8 @@ is one buffer, as large as the pool when first allocated, viewed as slots x posi
 padded to the longest length its sequences can reach); a longer sequence re-lays it out and
 refills it from the pool. When the slots do not fit, the buffers grow (by half at least) up to
 `MAX_GROWTH` times the pool: with prompts of mixed lengths, padding the short ones takes more
-than the pool holds. On CPU that much address space is reserved at first use and taken as needed
+than the pool holds. An engine that decodes allocates and zeroes the pool-sized part at start
+(`warm`). On CPU that much address space is reserved at first use and taken as needed
 (no copy, no page touched before a fill writes it); elsewhere growing copies what was held. A
 slot past the part zeroed at first use gets its padding zeroed when filled, so nothing read is
 ever uninitialised. The mirror serves a step only while padding every sequence to the longest
@@ -109,6 +110,24 @@ class DecodeMirror:
                           None if by_slot == list(range(num)) else int64_tensor(by_slot, device),
                           lens - 1, bias[:, None, :],  # bias: (num * Hkv, 1, L)
                           torch.arange(num, device=device), self.tokens, capacity)
+
+    def warm(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Allocate and zero every layer's pool-sized buffers now (caches: each layer's (K, V)
+        pool views (N, B, Hkv, D)), as the first decode step would: an engine that decodes calls
+        this at start, so its first request does not pay for it (SmolLM2 with 512 blocks: 377 MB
+        zeroed, 0.15-0.7 s)."""
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            if layer in self.buffers:
+                continue
+            N, B, Hkv, D = k_cache.shape
+            pool_tokens = N * B
+            size = int(MAX_GROWTH * pool_tokens) if k_cache.device.type == "cpu" else pool_tokens
+            buffers = (k_cache.new_empty(size * Hkv * D), v_cache.new_empty(size * Hkv * D))
+            for buffer in buffers:
+                buffer[:pool_tokens * Hkv * D].zero_()
+            self.buffers[layer] = buffers
+            self.finite[layer] = pool_tokens
+            self.tokens = pool_tokens
 
     def prepare(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:

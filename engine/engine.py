@@ -87,6 +87,10 @@ class LLMEngine:
                                  config.enable_prefix_caching, host)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.workspace = Workspace(config.decode_mirror)  # the torch attention's buffers and mirror
+        if self.workspace.mirror is not None and self.backend.name == "torch" and config.role != "prefill":
+            # now, not in the first request's first decode step
+            layers = range(self.model_config.num_layers)
+            self.workspace.mirror.warm([self.storage.layer_view(i) for i in layers])
         self.requests: dict[str, Request] = {}
         self.prefilled: dict[str, Request] = {}  # prefill role: first token out, blocks held
         self.steps = 0

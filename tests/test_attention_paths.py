@@ -166,10 +166,21 @@ def _mirror_setup(seed: int, num_blocks: int):
     return rng, storage, [storage.layer_view(i) for i in range(2)], attn_torch.Workspace(), {}
 
 
-def test_decode_mirror_follows_sequences_across_steps():
+@pytest.mark.parametrize("warm", [False, True])
+def test_decode_mirror_follows_sequences_across_steps(warm):
     """Sequences decode, join (filled from the pool), leave (holes filled by moves), outgrow the
-    layout (re-laid out), and a ragged batch falls back to the gather path and back again."""
+    layout (re-laid out), and a ragged batch falls back to the gather path and back again; warm:
+    the buffers were allocated and zeroed up front, as an engine that decodes does at start, and
+    the steps take them as they are."""
     rng, storage, layer_views, workspace, live = _mirror_setup(7, 400)
+    if warm:
+        workspace.mirror.warm(layer_views)
+        pool = layer_views[0][0].shape[0] * B * 2 * 8  # elements of the pool-sized part (Hkv 2, D 8)
+        for k, v in workspace.mirror.buffers.values():
+            assert torch.count_nonzero(k[:pool]) == 0 and torch.count_nonzero(v[:pool]) == 0
+            k[pool:].fill_(float("nan"))  # past the pool-sized part: reserved, never zeroed
+            v[pool:].fill_(float("nan"))
+        held = {layer: k.data_ptr() for layer, (k, _) in workspace.mirror.buffers.items()}
 
     def join(seq_id, n):
         live[seq_id] = [[storage.free_blocks.pop() for _ in range(-(-n // B))], n]
@@ -190,6 +201,8 @@ def test_decode_mirror_follows_sequences_across_steps():
     paths += [_mirror_step(storage, workspace, live, rng, 4, layer_views) for _ in range(2)]
     assert paths == [True] * 8 + [False] + [True] * 2
     assert torch.count_nonzero(layer_views[0][0][storage.null_block_id]) == 0
+    if warm:  # the steps used the buffers allocated at start
+        assert {layer: k.data_ptr() for layer, (k, _) in workspace.mirror.buffers.items()} == held
 
 
 def test_decode_mirror_grows_past_the_pool_for_mixed_lengths():

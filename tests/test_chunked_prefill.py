@@ -2,7 +2,8 @@
 running while a long prompt is chunked, prefill progress (computed blocks) after every step,
 the prefill role holding a chunked prompt's blocks, and preemption by swap of n > 1 requests
 (swap-in reserving a block per running sequence) keeping seeded outputs unchanged; padded table
-entries name the null block; the decode mirror and the block gather give the same tokens; the
+entries name the null block; the decode mirror (allocated at start unless the engine only
+prefills) and the block gather give the same tokens; the
 last layer computed for the sampled rows only gives their hidden states and every row's K/V."""
 
 import pytest
@@ -147,8 +148,12 @@ def test_padding_points_at_the_null_block_which_stays_zero(loaded):
 def test_decode_mirror_and_block_gather_give_the_same_tokens(loaded):
     params = SamplingParams(max_tokens=20, n=2, temperature=0.7, seed=3, ignore_eos=True)
     prompts = _prompts((9, 50, 31))
-    runs = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror)
-            .generate(prompts, params) for mirror in (True, False)]
+    engines = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror)
+               for mirror in (True, False)]
+    # an engine that decodes has its mirror allocated at start (not in its first request's step)
+    assert len(engines[0].workspace.mirror.buffers) == 2 and engines[1].workspace.mirror is None
+    assert not _engine(loaded, num_blocks=64, role="prefill").workspace.mirror.buffers  # never decodes
+    runs = [e.generate(prompts, params) for e in engines]
     assert [c.choices for c in runs[0]] == [c.choices for c in runs[1]]
 
 
