@@ -7,13 +7,16 @@ import to `_imported` the same way: it joins the continuous batch with `add_impo
 its epoch is the one the coordinator reserved for that request; a stale or aborted import is
 freed at once, uncached. Each migrated sequence travels under the transfer id
 "<request id>/<choice index>" and runs as its own engine request with that id (its seed, index
-and output count keep sampling identical to a colocated run). Credits and admission:
-decode_worker.credits.
+and output count keep sampling identical to a colocated run). The prefill worker ships an n > 1
+request's sequences one after another, so after importing one of them the ZeroMQ loop waits (up
+to `sibling_wait_s`) for the rest before it steps: a step started in between would hold the next
+sequence's transfer for a whole step. Credits and admission: decode_worker.credits.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from decode_worker.credits import Credits
@@ -36,6 +39,9 @@ class DecodeWorkerConfig(WorkerConfig):
     reserve_ttl_s: float = 60.0  # a reservation whose imports have not all arrived by then is released
     kv_port_min: int = 0         # the ZeroMQ receiver's port range (0: any free port)
     kv_port_max: int = 0
+    # ZeroMQ: after one sequence of an n > 1 request lands, how long the loop may wait for the others
+    # before its next step (each is shipped once the one before it is acknowledged)
+    sibling_wait_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.transport not in ("zmq", "ray"):
@@ -92,6 +98,7 @@ class DecodeHandler:
         self.imported: list[tuple[str, int]] = []  # (request, epoch) since the last settle
         self.expected: dict[str, tuple[int, set[str]]] = {}  # request id -> (epoch, transfer ids running)
         self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
+        self.due: dict[str, int] = {}  # request id -> its sequences not imported yet (n > 1 requests)
         self.refused_imports = 0
         keys = config.keys
         transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
@@ -120,8 +127,11 @@ class DecodeHandler:
             granted = self.credits.reserve(cmd.request_id, cmd.epoch, cmd.num_tokens, cmd.n, cmd.sender)
             if granted:
                 self.expected[cmd.request_id] = (cmd.epoch, set())  # NOTE: before any import can arrive
+                self.due[cmd.request_id] = cmd.n
                 while len(self.expected) > MAX_EXPECTED:
                     self.expected.pop(next(iter(self.expected)))
+                while len(self.due) > MAX_EXPECTED:
+                    self.due.pop(next(iter(self.due)))
             return Reply(granted=granted)
         if isinstance(cmd, Abort):
             self.credits.release(cmd.request_id)
@@ -138,10 +148,18 @@ class DecodeHandler:
         loop.drain(events)
         try:
             result = self.receiver.poll(timeout)
+            partial: set[str] = set()  # requests with sequences still on their way
+            deadline = time.monotonic() + self.config.sibling_wait_s
             while result is not None:
                 loop.drain(events)  # an abort queued before this import committed
-                self._imported(result, events)
-                result = self.receiver.poll(self.config.busy_poll_s)
+                rid = self._imported(result, events)
+                if rid is not None and self.due.get(rid):
+                    partial.add(rid)
+                partial = {r for r in partial if self.due.get(r)}
+                wait_s = self.config.busy_poll_s
+                if partial:  # the next sequence is a moment behind: a step now would make it wait a step
+                    wait_s = max(wait_s, deadline - time.monotonic())
+                result = self.receiver.poll(wait_s)
         except TransferError as e:  # already nacked, counted and released by the receiver
             usage = self.engine.kv.usage()
             log.warning("%s: import failed: %s (pool: %d free, %d cached; %d held back for %d reservations)",
@@ -174,11 +192,13 @@ class DecodeHandler:
         else:
             self.receiver.abort_request(rid)  # the same for a ZeroMQ transfer still landing
         _, running = self.expected.pop(rid, (0, set()))
+        self.due.pop(rid, None)
         for transfer_id in running:
             self.sequences.pop(transfer_id, None)
             self.engine.abort(transfer_id)
 
-    def _imported(self, result, events: list) -> None:
+    def _imported(self, result, events: list) -> str | None:
+        """Join a committed import to the batch (or refuse it); the request id when it joined."""
         from engine.sequence import Sequence
 
         rid, _, index = str(result.request_id).rpartition("/")
@@ -206,10 +226,14 @@ class DecodeHandler:
         self.engine.add_imported(result.request_id, seq.prompt_ids, params, [seq])
         self.sequences[result.request_id] = (rid, seq)
         running.add(result.request_id)
+        left = self.due.pop(rid, 1) - 1
+        if left > 0:
+            self.due[rid] = left
         self.imported.append((rid, result.epoch))
         self._settle()  # its credit became blocks: the room held back for imports shrinks at once
         events.append(Imported(rid, int(index), result.epoch, len(result.table.blocks), result.nbytes,
                                float(sum(result.timings.values()))))
+        return rid
 
     def on_step(self, outputs, events: list) -> None:
         for o in outputs:
