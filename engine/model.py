@@ -9,8 +9,9 @@ stores every row's K/V but attends, projects and runs its MLP for those rows onl
 follow transformers' implementation (RMSNorm in float32, rotate-half RoPE, SwiGLU) so a
 checkpoint gives the same logits here as there. `checkpoint_views` names every parameter (fused
 ones as row slices) by its checkpoint key without the leading "model."; engine.loader copies
-checkpoint tensors into those views. Logits come out in float32. On CPU in float32 every
-projection runs through oneDNN with its weight packed once (`pack_cpu_gemm`, engine.cpu_gemm).
+checkpoint tensors into those views. Logits come out in float32. On CPU in float32 each
+projection big enough to pay runs through oneDNN on its weight packed once (`pack_cpu_gemm`,
+engine.cpu_gemm); the others, and every other device or dtype, through F.linear.
 """
 
 from __future__ import annotations
