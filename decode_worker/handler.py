@@ -1,8 +1,8 @@
 """The decode role on the worker runtime: receive KV, join it to the batch, stream tokens.
 
 The loop waits on the KV receiver (ZeroMQ) or on its command queue (Ray transport, whose actor
-calls arrive as the `KvHello` / `KvQuery` / `KvReceive` / `KvStream` commands below; idle streams
-are expired each iteration, and an `Abort` ends the request's streams). Both hand a committed
+calls arrive as the commands of decode_worker.ray_commands; idle streams are expired each
+iteration, and an `Abort` ends the request's streams). Both hand a committed
 import to `_imported` the same way: it joins the continuous batch with `add_imported` only when
 its epoch is the one the coordinator reserved for that request; a stale or aborted import is
 freed at once, uncached. Each migrated sequence travels under the transfer id
@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from decode_worker.credits import Credits
+from decode_worker.ray_commands import KvHello, KvQuery, KvReceive, KvStream
 from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Tokens
 from protocol.sampling import SamplingParams
 from runtime.actor import QUEUE, WorkerConfig
@@ -46,45 +47,6 @@ class DecodeWorkerConfig(WorkerConfig):
     def __post_init__(self) -> None:
         if self.transport not in ("zmq", "ray"):
             raise ValueError(f"transport must be 'zmq' or 'ray', got {self.transport!r}")
-
-
-@dataclass(frozen=True)
-class KvHello:
-    """Ray transport: a sender's handshake (msgpack bytes from RaySender)."""
-
-    connection: str
-    data: bytes
-
-
-@dataclass(frozen=True)
-class KvQuery:
-    """Ray transport: a dedupe query."""
-
-    connection: str
-    data: bytes
-
-
-@dataclass(frozen=True)
-class KvReceive:
-    """Ray transport: a manifest and its payload frames (zero-copy arrays from the object store),
-    or, from a same-node sender, the frames' offsets in its pool file (`transfer.ray_shm`)."""
-
-    connection: str
-    manifest: bytes
-    frames: tuple
-    offsets: bytes | None = None
-
-
-@dataclass(frozen=True)
-class KvStream:
-    """Ray transport, streamed migration: one `transfer.ray_stream` call (offer, blocks, final or
-    cancel), its msgpack header, its sealed body and its payload arrays."""
-
-    call: str
-    connection: str
-    header: bytes
-    body: bytes = b""
-    frames: tuple = ()
 
 
 class DecodeHandler:

@@ -10,7 +10,8 @@ coordinator in the runtime's `WorkerReport`s.
 
 from __future__ import annotations
 
-from decode_worker.handler import DecodeHandler, DecodeWorkerConfig, KvHello, KvQuery, KvReceive, KvStream
+from decode_worker.handler import DecodeHandler, DecodeWorkerConfig
+from decode_worker.ray_commands import KvHello, KvQuery, KvReceive, KvStream
 from runtime.actor import WorkerActor
 
 

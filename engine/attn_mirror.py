@@ -117,36 +117,38 @@ class DecodeMirror:
         this at start, so its first request does not pay for it (SmolLM2 with 512 blocks: 377 MB
         zeroed, 0.15-0.7 s)."""
         for layer, (k_cache, v_cache) in enumerate(caches):
-            if layer in self.buffers:
-                continue
-            N, B, Hkv, D = k_cache.shape
-            pool_tokens = N * B
-            size = int(MAX_GROWTH * pool_tokens) if k_cache.device.type == "cpu" else pool_tokens
-            buffers = (k_cache.new_empty(size * Hkv * D), v_cache.new_empty(size * Hkv * D))
-            for buffer in buffers:
-                buffer[:pool_tokens * Hkv * D].zero_()
-            self.buffers[layer] = buffers
-            self.finite[layer] = pool_tokens
-            self.tokens = pool_tokens
+            if layer not in self.buffers:
+                pool_tokens = k_cache.shape[0] * k_cache.shape[1]
+                self._grow(layer, k_cache, v_cache, pool_tokens, int(MAX_GROWTH * pool_tokens))
+                self.tokens = pool_tokens
+
+    def _grow(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: int,
+              reserve: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give `layer` buffers for `tokens` tokens (on CPU, address space for `reserve`), keeping
+        what it held and zeroing the rest up to `tokens`; returns them (flat K, V)."""
+        _, _, Hkv, D = k_cache.shape
+        need = tokens * Hkv * D
+        # on CPU, address space for the most the buffers may hold: growing into it touches no page
+        # before a fill writes it (a first touch costs about 2 us a page on the bench VM)
+        size = max(need, reserve * Hkv * D) if k_cache.device.type == "cpu" else need
+        grown = (k_cache.new_empty(size), v_cache.new_empty(size))
+        buffers = self.buffers.get(layer)
+        held = 0 if buffers is None else buffers[0].numel()
+        for i, new in enumerate(grown):
+            if held:  # the slots held so far, where they were (slot-major)
+                new[:held].copy_(buffers[i])
+            new[held:need].zero_()  # padding reads finite values
+        self.buffers[layer] = grown
+        self.finite[layer] = tokens  # tokens from the start known to read finite
+        return grown
 
     def prepare(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Move and fill this layer's entries for the step; returns its (K, V) viewed (S, Hkv, P, D)."""
         _, B, Hkv, D = k_cache.shape
         buffers = self.buffers.get(layer)
-        need = step.tokens * Hkv * D
-        if buffers is None or buffers[0].numel() < need:
-            # on CPU, address space for the most the buffers may hold: growing into it touches no page
-            # before a fill writes it (a first touch costs about 2 us a page on the bench VM)
-            size = max(need, step.reserve * Hkv * D) if k_cache.device.type == "cpu" else need
-            grown = (k_cache.new_empty(size), v_cache.new_empty(size))
-            held = 0 if buffers is None else buffers[0].numel()
-            for i, new in enumerate(grown):
-                if held:  # the slots held so far, where they were (slot-major)
-                    new[:held].copy_(buffers[i])
-                new[held:need].zero_()  # padding reads finite values (first use: in a warm-up)
-            buffers = self.buffers[layer] = grown
-            self.finite[layer] = step.tokens  # tokens from the start known to read finite
+        if buffers is None or buffers[0].numel() < step.tokens * Hkv * D:
+            buffers = self._grow(layer, k_cache, v_cache, step.tokens, step.reserve)
         P = step.positions_per_slot
         slots = step.tokens // P
         keys, values = (buffer[:slots * Hkv * P * D].view(slots, Hkv, P, D)  # (S, Hkv, P, D)
