@@ -156,6 +156,7 @@ class TorchPlan:
     decode_only: bool           # one group covering rows 0..T-1 in order: no output scatter
     heads_as_rows: bool         # decode scores all heads in one matmul (see HEADS_AS_ROWS_LIMIT)
     mirror: object = None       # engine.attn_mirror.MirrorStep when decode reads the mirror instead
+    kernel: object = None       # engine.attn_torch.KernelStep when the compiled CPU kernel serves decode
 
 
 def build_torch_plan(meta: AttentionMetadata, dtype: torch.dtype, block_size: int, num_heads: int,

@@ -20,10 +20,12 @@ halves (the Triton tests' reference).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_attention
 from engine.attn_metadata import (
     AttentionMetadata,
     DecodeGroup,
@@ -49,9 +51,10 @@ class Workspace:
     that, on CPU, rival the attention arithmetic itself), and the decode mirror. Not thread-safe:
     one per engine."""
 
-    def __init__(self, mirror: bool = True) -> None:
+    def __init__(self, mirror: bool = True, kernel: bool = False) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self.mirror = DecodeMirror() if mirror else None
+        self.kernel = kernel  # CPU float32 decode reads the pool in place (engine.cpu_attention)
 
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor of `shape` with `like`'s dtype and device (contents undefined)."""
@@ -92,19 +95,37 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, layer
         mirror = None
         decode = [s for s, n in enumerate(meta.query_lens_host) if n == 1]
         workspace = meta.workspace
-        if decode and layer is not None and workspace is not None and workspace.mirror is not None \
+        starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
+        kernel = None
+        if decode and workspace is not None and workspace.kernel and q.dtype == torch.float32 \
+                and q.device.type == "cpu" and cpu_attention.supports_head_dim(q.shape[2]):
+            rows = [starts[s] for s in decode]
+            batch = cpu_attention.DecodeBatch.build([meta.tables_host[s] for s in decode],
+                                                    [meta.seq_lens_host[s] for s in decode], B)
+            kernel = KernelStep(slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows)
+                                else int64_tensor(rows, q.device), batch)
+        elif decode and layer is not None and workspace is not None and workspace.mirror is not None \
                 and meta.seq_ids is not None:
-            starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
             final = max(meta.final_lens[s] for s in decode) if meta.final_lens else 0
             mirror = workspace.mirror.plan(
                 [meta.seq_ids[s] for s in decode], [starts[s] for s in decode],
                 [meta.seq_lens_host[s] for s in decode], [meta.tables_host[s] for s in decode], final, B,
                 Hkv, k_cache.shape[0] * B, q.dtype, q.device)
-        plan = meta.torch_plan = build_torch_plan(meta, q.dtype, B, q.shape[1], Hkv, mirror is None)
-        plan.mirror = mirror
-        plan.decode_only = plan.decode_only or mirror is not None and not plan.prefill and \
-            mirror.rows is None and mirror.num == q.shape[0]
+        plan = meta.torch_plan = build_torch_plan(meta, q.dtype, B, q.shape[1], Hkv,
+                                                  mirror is None and kernel is None)
+        plan.mirror, plan.kernel = mirror, kernel
+        plan.decode_only = plan.decode_only or not plan.prefill and (
+            mirror is not None and mirror.rows is None and mirror.num == q.shape[0]
+            or kernel is not None and kernel.rows == slice(0, q.shape[0]))
     return plan
+
+
+@dataclass
+class KernelStep:
+    """The decode rows the compiled kernel serves this step (engine.cpu_attention)."""
+
+    rows: slice | torch.Tensor  # their rows in the packed batch (a slice when consecutive)
+    batch: cpu_attention.DecodeBatch
 
 
 def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -117,6 +138,9 @@ def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: to
     plan = _plan(meta, q, k_cache, layer)
     _store(key, value, k_cache, v_cache, plan.slot_blocks, plan.slot_offsets)
     last_rows = None if keep is None else set(keep)
+    if plan.kernel is not None:
+        out = _kernel_decode(q, key, value, k_cache, v_cache, plan, scale, meta.workspace, last_rows)
+        return _select(out, keep)
     if plan.mirror is None:
         return _select(_attend(q, key, value, k_cache, v_cache, plan, scale, meta.workspace, last_rows), keep)
     step: MirrorStep = plan.mirror
@@ -134,6 +158,21 @@ def forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: to
     else:
         out.index_copy_(0, step.rows, o)
     return _select(out, keep)
+
+
+def _kernel_decode(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float, workspace: Workspace,
+                   last_rows: set[int] | None) -> torch.Tensor:
+    """The compiled kernel for the decode rows, the gather paths for the prefill ones -> (T, Hq, D)."""
+    step: KernelStep = plan.kernel
+    if plan.decode_only:
+        return cpu_attention.paged_decode(q, k_cache, v_cache, step.batch, scale)
+    out = _attend(q, key, value, k_cache, v_cache, plan, scale, workspace, last_rows)  # prefill rows
+    if isinstance(step.rows, slice):  # a contiguous block of the contiguous output
+        cpu_attention.paged_decode(q[step.rows], k_cache, v_cache, step.batch, scale, out=out[step.rows])
+    else:
+        out.index_copy_(0, step.rows, cpu_attention.paged_decode(q.index_select(0, step.rows), k_cache,
+                                                                 v_cache, step.batch, scale))
+    return out
 
 
 def _select(out: torch.Tensor, keep: list[int] | None) -> torch.Tensor:

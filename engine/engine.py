@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import cpu_attention
 from engine.attention import get_backend
 from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
@@ -43,7 +44,10 @@ class EngineConfig:
     num_host_blocks: int = 256       # host swap pool in blocks (0 disables swap preemption)
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
-    decode_mirror: bool = True       # torch backend: decode reads a per-slot K/V buffer (2-3x KV memory)
+    cpu_kernel: bool = True          # CPU float32: decode attends in a compiled C kernel reading the pool
+                                     # in place (engine.cpu_attention; torch paths without a C compiler)
+    decode_mirror: bool = True       # torch backend without that kernel: decode reads a per-slot K/V
+                                     # buffer (2-3x KV memory)
     cpu_gemm: bool = True            # CPU float32: matmuls via oneDNN, weights packed once (a 2nd copy)
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
@@ -86,7 +90,11 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,
                                  config.enable_prefix_caching, host)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.workspace = Workspace(config.decode_mirror)  # the torch attention's buffers and mirror
+        kernel = config.cpu_kernel and self.backend.name == "torch" and self.device.type == "cpu" \
+            and kv_dtype == "float32" and cpu_attention.supports_head_dim(self.model_config.head_dim) \
+            and cpu_attention.load() is not None
+        # the torch attention's buffers, and either the kernel or the decode mirror
+        self.workspace = Workspace(config.decode_mirror and not kernel, kernel)
         if self.workspace.mirror is not None and self.backend.name == "torch" and config.role != "prefill":
             # now, not in the first request's first decode step
             layers = range(self.model_config.num_layers)

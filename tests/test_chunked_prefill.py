@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench.engine import write_random_llama
+from engine import cpu_attention
 from engine.engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -145,20 +146,23 @@ def test_padding_points_at_the_null_block_which_stays_zero(loaded):
         assert torch.count_nonzero(k_cache[null]) == 0 and torch.count_nonzero(v_cache[null]) == 0
 
 
-def test_decode_mirror_and_block_gather_give_the_same_tokens(loaded):
+def test_decode_paths_give_the_same_tokens(loaded):
+    """The compiled CPU kernel (pool read in place), the decode mirror and the block gather."""
     params = SamplingParams(max_tokens=20, n=2, temperature=0.7, seed=3, ignore_eos=True)
     prompts = _prompts((9, 50, 31))
-    engines = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror)
-               for mirror in (True, False)]
+    engines = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror,
+                       cpu_kernel=kernel) for kernel, mirror in ((False, True), (False, False), (True, True))]
     # an engine that decodes has its mirror allocated at start (not in its first request's step)
     assert len(engines[0].workspace.mirror.buffers) == 2 and engines[1].workspace.mirror is None
-    assert not _engine(loaded, num_blocks=64, role="prefill").workspace.mirror.buffers  # never decodes
+    assert not _engine(loaded, num_blocks=64, role="prefill", cpu_kernel=False).workspace.mirror.buffers
+    if cpu_attention.load() is not None:  # the kernel replaces the mirror: no buffers at all
+        assert engines[2].workspace.kernel and engines[2].workspace.mirror is None
     runs = [e.generate(prompts, params) for e in engines]
-    assert [c.choices for c in runs[0]] == [c.choices for c in runs[1]]
+    assert [c.choices for c in runs[0]] == [c.choices for c in runs[1]] == [c.choices for c in runs[2]]
 
 
-@pytest.mark.parametrize("mirror", [True, False])
-def test_last_layer_runs_past_attention_only_for_the_rows_asked(loaded, mirror):
+@pytest.mark.parametrize("mirror,kernel", [(True, False), (False, False), (False, True)])
+def test_last_layer_runs_past_attention_only_for_the_rows_asked(loaded, mirror, kernel):
     """model.forward(rows=...) gives those rows' hidden states (as computing every row and picking
     them does) and stores every row's K/V all the same: a decode row, a prompt ending in this
     chunk, a later chunk and a first chunk that end nothing."""
@@ -180,7 +184,7 @@ def test_last_layer_runs_past_attention_only_for_the_rows_asked(loaded, mirror):
     for keep in (None, rows):
         storage.data.copy_(before)
         meta = AttentionMetadata.build(tables, seq_lens, query_lens, 4, null_block=storage.null_block_id)
-        meta.workspace, meta.seq_ids = Workspace(mirror), [0, 1, 2, 3]
+        meta.workspace, meta.seq_ids = Workspace(mirror, kernel), [0, 1, 2, 3]
         meta.final_lens = [n + 8 for n in seq_lens]
         with torch.inference_mode():
             outs.append(model.forward(ids, meta.positions, storage, meta, keep))

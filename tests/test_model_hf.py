@@ -4,7 +4,8 @@ transformers' forward in float32 and greedy ids over 32 new tokens must equal
 `generate(do_sample=False)`, with the engine side running through the paged KV cache
 (KVCacheManager + KVStorage + AttentionMetadata): one packed prefill of ragged prompts, then one
 packed decode step per token, plus a prefix-cache hit; with the projections on F.linear and on
-oneDNN's packed weights (engine.cpu_gemm). The built-in tiny model is checked for
+oneDNN's packed weights (engine.cpu_gemm), and decode attention through the torch gather path
+and through the compiled CPU kernel (engine.cpu_attention). The built-in tiny model is checked for
 determinism the same way. Loader, config and tokenizer checks are in test_model_hf_loading.py.
 """
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 from hf_checkpoints import CASES, NEW_TOKENS, Checkpoint, one_torch_thread
 
+from engine import cpu_attention
 from engine.attn_metadata import AttentionMetadata
+from engine.attn_torch import Workspace
 from engine.config import ModelConfig
 from engine.loader import load_model
 from engine.model import logits_indices
@@ -37,8 +40,9 @@ def checkpoint(request, tmp_path_factory):
 class PagedRunner:
     """Minimal greedy decoding through the paged cache: packed prefill, then packed decode."""
 
-    def __init__(self, model, config: ModelConfig, num_blocks: int = 96):
+    def __init__(self, model, config: ModelConfig, num_blocks: int = 96, kernel: bool = False):
         self.model = model
+        self.kernel = kernel  # decode attention through engine.cpu_attention's kernel
         self.storage = KVStorage(config.kv_layout(BLOCK), num_blocks)
         self.manager = KVCacheManager(BlockAllocator(num_blocks), BLOCK, self.storage)
 
@@ -54,6 +58,7 @@ class PagedRunner:
             seq_lens.append(t.num_tokens)
             q_lens.append(t.num_tokens - start)
         meta = AttentionMetadata.build(tables, seq_lens, q_lens, BLOCK)
+        meta.workspace = Workspace(mirror=False, kernel=self.kernel)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.storage, meta)  # (T, hidden)
             logits = self.model.compute_logits(hidden)  # (T, V)
@@ -82,14 +87,16 @@ class PagedRunner:
         return out, prefill, hits
 
 
-@pytest.mark.parametrize("gemm", ["torch", "onednn"])
-def test_logits_and_greedy_match_transformers(checkpoint, gemm):
+@pytest.mark.parametrize("gemm,decode", [("torch", "gather"), ("torch", "kernel"), ("onednn", "kernel")])
+def test_logits_and_greedy_match_transformers(checkpoint, gemm, decode):
+    if decode == "kernel" and cpu_attention.load() is None:
+        pytest.skip("no C compiler for the CPU decode kernel")
     model, config, _ = load_model(checkpoint.dir, device="cpu", backend="torch", cpu_gemm=False)
     if gemm == "onednn":  # these weights are below the size that packs by default: pack them anyway
         model.pack_cpu_gemm(True, min_elements=0)
         assert model.layers[0].mlp.down_proj.packed is not None and model.logits_packed is not None
     assert config.dtype == "float32" and next(model.parameters()).dtype == torch.float32
-    runner = PagedRunner(model, config)
+    runner = PagedRunner(model, config, kernel=decode == "kernel")
     prompts = dict(enumerate(checkpoint.prompts))
     ours, prefill, hits = runner.generate(prompts, NEW_TOKENS)
     assert set(hits.values()) == {0}

@@ -1,0 +1,169 @@
+/* Paged decode attention for CPU in float32: one query per sequence, keys and values read in
+ * place from the paged KV pool through each sequence's block table.
+ *
+ * Built at first use by engine/cpu_attention.py (cc -O3 -march=native -fopenmp) and called
+ * through ctypes with tensors' data pointers; the Python side checks every shape, dtype and
+ * stride first. For each (sequence, kv head) it scores the G = Hq / Hkv query heads of that kv
+ * head against the sequence's keys (each key read once for all G), takes an exact softmax (max
+ * subtracted, float32 sums), then sums the values weighted by it. Work is proportional to the
+ * keys each sequence actually has: no padding to the longest sequence, no copy of the history.
+ * (sequence, kv head) pairs are independent and split across `threads` OpenMP threads; each
+ * pair's arithmetic is the same whatever the thread count, so results do not depend on it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Sixteen floats as one vector (GCC/Clang vector extensions: AVX-512 where there is one, pairs
+ * or quads of narrower registers elsewhere; the order of every sum is the same either way). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+static inline v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask is set, else b */
+    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+}
+
+static inline float hsum16(v16 x) { /* a fixed tree: halves, quarters, then four lanes */
+    v8 lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    v8 a = lo + hi;
+    v4 l4, h4;
+    memcpy(&l4, &a, sizeof l4);
+    memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
+    v4 b = l4 + h4;
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* e^x for x <= 0 (scores minus their max): x = n ln2 + r with n = round(x / ln2), a degree-6
+ * polynomial for e^r (Cephes' expf coefficients, about 1 ulp), 2^n from the exponent bits.
+ * Below -87.3 (where e^x leaves the normal floats), -inf included, it gives 0. */
+static inline v16 exp16(v16 x) {
+    const v16 low = (v16){0} - 87.3f;
+    i16 tiny = x < low;
+    x = select16(tiny, low, x);
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16 y = p * r * r + r + 1.0f;
+    i16 two_n = (__builtin_convertvector(n, i16) + 127) << 23;
+    return (v16)((i16)(y * (v16)two_n) & ~tiny);
+}
+
+/* One (sequence, kv head), D a multiple of 16: q (G, D) rows `q_head_stride` apart, `len` keys
+ * through `table`; writes out (G, D) rows D apart. scores: len floats (+ 15 spare). */
+static inline __attribute__((always_inline)) void attend(
+        const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache, int64_t sN,
+        int64_t sB, int64_t head_offset, const int64_t *table, int64_t len, int64_t G, int64_t D, int64_t B,
+        float scale, float *scores, float *out) {
+    enum { MAX_D = 256 };
+    for (int64_t g = 0; g < G; g++) { /* one query head at a time: its q and sums stay in registers */
+        const float *qg = q + g * q_head_stride;
+        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
+            const float *kb = k_cache + table[blk] * sN + head_offset;
+            int64_t n = len - t0 < B ? len - t0 : B;
+            for (int64_t j = 0; j < n; j++) {
+                const float *k = kb + j * sB;
+                v16 acc = load16(qg) * load16(k);
+                for (int64_t d = 16; d < D; d += 16)
+                    acc += load16(qg + d) * load16(k + d);
+                scores[t0 + j] = hsum16(acc) * scale;
+            }
+        }
+        int64_t padded = (len + 15) & ~(int64_t)15;
+        for (int64_t t = len; t < padded; t++)
+            scores[t] = -INFINITY; /* weighs nothing */
+        v16 top = load16(scores);
+        for (int64_t t = 16; t < padded; t += 16) {
+            v16 x = load16(scores + t);
+            top = select16(x > top, x, top);
+        }
+        float m = top[0];
+        for (int l = 1; l < 16; l++)
+            m = top[l] > m ? top[l] : m;
+        v16 part = {0};
+        for (int64_t t = 0; t < padded; t += 16) {
+            v16 e = exp16(load16(scores + t) - m);
+            store16(scores + t, e);
+            part += e;
+        }
+        float sum = hsum16(part);
+        v16 acc[MAX_D / 16] = {{0}};
+        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
+            const float *vb = v_cache + table[blk] * sN + head_offset;
+            int64_t n = len - t0 < B ? len - t0 : B;
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = vb + j * sB;
+                float p = scores[t0 + j];
+                for (int64_t c = 0; c < D / 16; c++)
+                    acc[c] += p * load16(v + 16 * c);
+            }
+        }
+        float inv = 1.0f / sum;
+        for (int64_t c = 0; c < D / 16; c++)
+            store16(out + g * D + 16 * c, acc[c] * inv);
+    }
+}
+
+/* q: (num, Hq, D), rows q_row_stride apart, heads D apart. k_cache, v_cache: element
+ * (block, offset, kv head, d) at block * sN + offset * sB + head * sH + d. tables: (num, *) block
+ * ids, rows table_stride apart; lens: (num,) keys per sequence, each >= 1. out: (num, Hq, D)
+ * contiguous. Returns 0; 1 if D is not a multiple of 16 up to 256; 2 if scratch memory ran out. */
+int pd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                        int64_t sN, int64_t sB, int64_t sH, const int64_t *tables, int64_t table_stride,
+                        const int64_t *lens, int64_t num, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
+                        float scale, int threads, float *out) {
+    int64_t G = Hq / Hkv, max_len = 0;
+    if (D % 16 != 0 || D > 256)
+        return 1;
+    for (int64_t s = 0; s < num; s++)
+        max_len = lens[s] > max_len ? lens[s] : max_len;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        float *scores = malloc((size_t)(max_len + 16) * sizeof(float));
+        if (scores == NULL)
+            failed = 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < num * Hkv; task++) {
+            if (scores == NULL)
+                continue;
+            int64_t s = task / Hkv, h = task % Hkv;
+            const float *qs = q + s * q_row_stride + h * G * D;
+            const int64_t *table = tables + s * table_stride;
+            float *o = out + (s * Hq + h * G) * D;
+            switch (D) { /* the common head sizes get loops of a known length */
+            case 32:
+                attend(qs, D, k_cache, v_cache, sN, sB, h * sH, table, lens[s], G, 32, B, scale, scores, o);
+                break;
+            case 64:
+                attend(qs, D, k_cache, v_cache, sN, sB, h * sH, table, lens[s], G, 64, B, scale, scores, o);
+                break;
+            case 128:
+                attend(qs, D, k_cache, v_cache, sN, sB, h * sH, table, lens[s], G, 128, B, scale, scores, o);
+                break;
+            default:
+                attend(qs, D, k_cache, v_cache, sN, sB, h * sH, table, lens[s], G, D, B, scale, scores, o);
+            }
+        }
+        free(scores);
+    }
+    return failed ? 2 : 0;
+}
