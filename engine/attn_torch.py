@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_attention
+from engine import cpu_attention, cpu_fused
 from engine.attn_metadata import (
     AttentionMetadata,
     DecodeGroup,
@@ -84,6 +84,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def _store(key, value, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    if key.dtype == k_cache.dtype == torch.float32 and key.device.type == "cpu" and \
+            key.stride() == value.stride() and cpu_fused.available():  # one pass, no index_put_ dispatch
+        cpu_fused.store_kv(key, value, k_cache, v_cache, blocks, offsets)
+        return
     k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
     v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
 

@@ -1,97 +1,28 @@
-"""CPU decode attention through a small compiled C kernel that reads the paged pool in place.
+"""CPU decode attention through a compiled C kernel that reads the paged pool in place.
 
-`paged_decode(q, k_cache, v_cache, tables, lens, scale)` attends one query per sequence over its
-own blocks only (engine/csrc/paged_decode.c): no padding to the longest sequence, no history copy,
-no per-slot mirror. The C file is compiled once per machine at first use with the system C
-compiler ($CC, else `cc`; -O3 -march=native -fopenmp) into a cache directory
-($PDSERVE_KERNEL_CACHE, else ~/.cache/pdserve/kernels) under a name that hashes the source, the
-flags and the CPU's model and flags, so a shared home directory never hands one machine another's
-binary; a build goes to a temporary file renamed into place, so concurrent processes never load
-half a library. It is called through ctypes with the tensors' data pointers, after every dtype,
-shape and stride is checked here. Without a compiler (or with PDSERVE_CPU_KERNEL=0) `load`
-returns None, logs why once, and the torch backend keeps its torch paths. float32 on CPU only.
+`paged_decode(q, k_cache, v_cache, batch, scale)` attends one query per sequence over its own
+blocks only (engine/csrc/paged_decode.c): no padding to the longest sequence, no history copy,
+no per-slot mirror. `DecodeBatch` holds a step's block tables and lengths, checked once and
+reused by every layer. The kernel is built and loaded by engine.cpu_kernels; `available` says
+whether it is there (the torch backend keeps its torch paths otherwise). float32 on CPU only.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from engine import cpu_kernels
 from engine.attn_metadata import int64_tensor
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
 
 
 class KernelError(RuntimeError):
     """The kernel is not available, or ran out of scratch memory."""
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and flag lines: -march=native code is only valid where they match."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() + platform.machine()
-    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels"
-    return Path(root)
-
-
-def _build(compiler: str) -> Path:
-    """Compile SOURCE (once per source, flags and CPU) and return the library's path."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no compiler, a failed build, or PDSERVE_CPU_KERNEL=0)."""
-    if os.environ.get("PDSERVE_CPU_KERNEL", "1") == "0":
-        return None
-    compiler = os.environ.get("CC", "cc")
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("CPU decode attention kernel unavailable (%s %s): %s; using the torch paths", compiler,
-                    SOURCE.name, detail)
-        return None
-    lib.pd_paged_decode_f32.argtypes = _ARGS
-    lib.pd_paged_decode_f32.restype = ctypes.c_int
-    return lib
+def available() -> bool:
+    return cpu_kernels.load("paged_decode") is not None
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -131,7 +62,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q (n, Hq, D) float32, one query per sequence of `batch`; k_cache/v_cache (N, B, Hkv, D)
     float32 views with equal strides and contiguous (Hkv, D) rows -> out (n, Hq, D) (written into
     `out` when given, which must be contiguous)."""
-    lib = load()
+    lib = cpu_kernels.load("paged_decode")
     if lib is None:
         raise KernelError("the CPU decode attention kernel is not available")
     n, Hq, D = q.shape

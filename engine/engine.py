@@ -44,8 +44,9 @@ class EngineConfig:
     num_host_blocks: int = 256       # host swap pool in blocks (0 disables swap preemption)
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
-    cpu_kernel: bool = True          # CPU float32: decode attends in a compiled C kernel reading the pool
-                                     # in place (engine.cpu_attention; torch paths without a C compiler)
+    cpu_kernels: bool = True         # CPU float32: compiled C kernels for decode attention (reading the
+                                     # pool in place) and the layers' elementwise steps (engine.cpu_kernels;
+                                     # torch paths without a C compiler)
     decode_mirror: bool = True       # torch backend without that kernel: decode reads a per-slot K/V
                                      # buffer (2-3x KV memory)
     cpu_gemm: bool = True            # CPU float32: matmuls via oneDNN, weights packed once (a 2nd copy)
@@ -79,7 +80,7 @@ class LLMEngine:
         self.backend = get_backend(config.attention_backend, self.device)
         if loaded is None:
             loaded = load_model(config.model, device=config.device, dtype=config.dtype, backend=self.backend,
-                                cpu_gemm=config.cpu_gemm)
+                                cpu_gemm=config.cpu_gemm, cpu_fused=config.cpu_kernels)
         self.model, self.model_config, self.tokenizer = loaded
         self.model_id = model_identity(self.model_config, self.model)
         kv_dtype = dtype_name(next(self.model.parameters()).dtype)
@@ -90,9 +91,9 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,
                                  config.enable_prefix_caching, host)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        kernel = config.cpu_kernel and self.backend.name == "torch" and self.device.type == "cpu" \
+        kernel = config.cpu_kernels and self.backend.name == "torch" and self.device.type == "cpu" \
             and kv_dtype == "float32" and cpu_attention.supports_head_dim(self.model_config.head_dim) \
-            and cpu_attention.load() is not None
+            and cpu_attention.available()
         # the torch attention's buffers, and either the kernel or the decode mirror
         self.workspace = Workspace(config.decode_mirror and not kernel, kernel)
         if self.workspace.mirror is not None and self.backend.name == "torch" and config.role != "prefill":

@@ -43,12 +43,13 @@ def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None) -> torc
 
 
 def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               backend: AttentionBackend | str | None = None, cpu_gemm: bool = True
+               backend: AttentionBackend | str | None = None, cpu_gemm: bool = True, cpu_fused: bool = True
                ) -> tuple[LlamaModel, ModelConfig, ByteTokenizer | HFTokenizer]:
     """Returns (model in eval mode on `device`, its config with the dtype it runs in, tokenizer).
 
     backend: an AttentionBackend, a backend name ('torch', 'triton', 'auto') or None (auto).
     cpu_gemm: float32 on CPU, projections through oneDNN with packed weights (engine.cpu_gemm).
+    cpu_fused: float32 on CPU, RMSNorm, rotary and SwiGLU through compiled kernels (engine.cpu_fused).
     """
     device = torch.device(device)
     run_dtype = resolve_dtype(device, dtype)
@@ -75,6 +76,7 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         tokenizer = load_tokenizer(directory, config)
     model.eval().requires_grad_(False)
     model.pack_cpu_gemm(cpu_gemm)  # a no-op off CPU float32
+    model.use_cpu_fused(cpu_fused)  # likewise
     config = dataclasses.replace(config, dtype=dtype_name(run_dtype))
     return model, config, tokenizer
 

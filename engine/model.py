@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_fused
 from engine.attention import AttentionBackend
 from engine.attn_metadata import AttentionMetadata, int64_tensor
 from engine.config import ModelConfig
@@ -34,20 +35,33 @@ def logits_indices(meta: AttentionMetadata) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    fused = False  # float32 on CPU through engine.cpu_fused (LlamaModel.use_cpu_fused)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # transformers: normalise in float32, round to the input dtype, then scale
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm), both (T, hidden); the fused path adds into `residual` in place."""
+        if self.fused:
+            return residual, cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+        residual = residual + x
+        return residual, self.forward(residual)
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention; K/V go through the paged cache of one layer."""
+
+    fused = False  # rotary in place through engine.cpu_fused
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
@@ -68,8 +82,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj.forward(x).view(T, Hq + 2 * Hkv, self.head_dim)
-        # qkv: (T, Hq + 2 Hkv, D)
-        qk = apply_rotary(qkv[:, :Hq + Hkv], cos, sin)  # (T, Hq + Hkv, D): q and k rotated at once
+        # qkv: (T, Hq + 2 Hkv, D); q and k rotated at once -> qk (T, Hq + Hkv, D)
+        qk = cpu_fused.rotary_(qkv[:, :Hq + Hkv], cos, sin) if self.fused else \
+            apply_rotary(qkv[:, :Hq + Hkv], cos, sin)
         if keep is None:
             o = self.backend.forward(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:], k_cache, v_cache, meta,
                                      self.scale, self.layer)  # (T, Hq, D)
@@ -83,6 +98,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
 
+    fused = False  # silu(gate) * up through engine.cpu_fused
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
@@ -93,6 +110,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inter = self.intermediate_size
         gate_up = self.gate_up_proj.forward(x)  # (T, 2 I)
+        if self.fused:
+            return self.down_proj.forward(cpu_fused.silu_mul(gate_up))  # (T, hidden)
         gate = F.silu(gate_up[:, :inter])  # (T, I)
         return self.down_proj.forward(gate.mul_(gate_up[:, inter:]))  # (T, hidden)
 
@@ -113,11 +132,12 @@ class DecoderLayer(nn.Module):
         # .forward directly: the hot path skips nn.Module.__call__ (no hooks are ever registered)
         x = self.input_layernorm.forward(h)
         if keep is None:
-            h = h + self.self_attn.forward(x, cos, sin, k_cache, v_cache, meta)
+            a = self.self_attn.forward(x, cos, sin, k_cache, v_cache, meta)  # (T, hidden)
         else:
             a = self.self_attn.forward(x, cos, sin, k_cache, v_cache, meta, keep[0])  # (R, hidden)
-            h = h.index_select(0, keep[1]) + a
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+            h = h.index_select(0, keep[1])
+        h, x = self.post_attention_layernorm.add_forward(a, h)  # h + a, and its norm
+        return h + self.mlp.forward(x)
 
 
 class LlamaModel(nn.Module):
@@ -205,6 +225,16 @@ class LlamaModel(nn.Module):
             self.logits_packed = self.lm_head.packed
         else:  # tied: the logits reuse the embedding matrix, packed for them
             self.logits_packed = pack(self.embed_tokens.weight, None, min_elements) if enabled else None
+
+    def use_cpu_fused(self, enabled: bool = True) -> bool:
+        """Run RMSNorm, rotary and SwiGLU through engine.cpu_fused where that applies (enabled, the
+        kernels built, float32 weights on CPU), else through torch. Returns whether it applies."""
+        on = enabled and self.embed_tokens.weight.dtype == torch.float32 and \
+            self.embed_tokens.weight.device.type == "cpu" and cpu_fused.available()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = on
+        return on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> logits (..., vocab) in float32."""

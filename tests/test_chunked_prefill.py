@@ -150,12 +150,12 @@ def test_decode_paths_give_the_same_tokens(loaded):
     """The compiled CPU kernel (pool read in place), the decode mirror and the block gather."""
     params = SamplingParams(max_tokens=20, n=2, temperature=0.7, seed=3, ignore_eos=True)
     prompts = _prompts((9, 50, 31))
-    engines = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror,
-                       cpu_kernel=kernel) for kernel, mirror in ((False, True), (False, False), (True, True))]
+    engines = [_engine(loaded, budget=24, block_size=4, num_blocks=256, decode_mirror=mirror, cpu_kernels=k)
+               for k, mirror in ((False, True), (False, False), (True, True))]
     # an engine that decodes has its mirror allocated at start (not in its first request's step)
     assert len(engines[0].workspace.mirror.buffers) == 2 and engines[1].workspace.mirror is None
-    assert not _engine(loaded, num_blocks=64, role="prefill", cpu_kernel=False).workspace.mirror.buffers
-    if cpu_attention.load() is not None:  # the kernel replaces the mirror: no buffers at all
+    assert not _engine(loaded, num_blocks=64, role="prefill", cpu_kernels=False).workspace.mirror.buffers
+    if cpu_attention.available():  # the kernel replaces the mirror: no buffers at all
         assert engines[2].workspace.kernel and engines[2].workspace.mirror is None
     runs = [e.generate(prompts, params) for e in engines]
     assert [c.choices for c in runs[0]] == [c.choices for c in runs[1]] == [c.choices for c in runs[2]]

@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import attn_torch, cpu_attention
+from engine import attn_torch, cpu_attention, cpu_kernels
 from engine.attn_metadata import AttentionMetadata
 from kvcache.storage import KVLayout, KVStorage
 
-pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler for the kernel")
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the kernel")
 
 
 def _storage(kv_heads: int, head_dim: int, block: int, num_blocks: int, seed: int) -> KVStorage:
@@ -154,16 +154,16 @@ def test_without_a_compiler_the_engine_uses_the_mirror(monkeypatch, tmp_path, ca
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    cpu_attention.load.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
-        assert cpu_attention.load() is None
-        assert "kernel unavailable" in caplog.text
+        assert not cpu_attention.available()
+        assert "CPU kernel paged_decode unavailable" in caplog.text
         eng = LLMEngine(EngineConfig(model="tiny", num_blocks=64, num_host_blocks=0))
         assert not eng.workspace.kernel and eng.workspace.mirror is not None
         without = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
     finally:
         monkeypatch.undo()
-        cpu_attention.load.cache_clear()
+        cpu_kernels.load.cache_clear()
     eng = LLMEngine(EngineConfig(model="tiny", num_blocks=64, num_host_blocks=0))
     assert eng.workspace.kernel and eng.workspace.mirror is None
     with_kernel = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))

@@ -5,8 +5,9 @@ transformers' forward in float32 and greedy ids over 32 new tokens must equal
 (KVCacheManager + KVStorage + AttentionMetadata): one packed prefill of ragged prompts, then one
 packed decode step per token, plus a prefix-cache hit; with the projections on F.linear and on
 oneDNN's packed weights (engine.cpu_gemm), and decode attention through the torch gather path
-and through the compiled CPU kernel (engine.cpu_attention). The built-in tiny model is checked for
-determinism the same way. Loader, config and tokenizer checks are in test_model_hf_loading.py.
+and through the compiled CPU kernels (engine.cpu_attention, with engine.cpu_fused for RMSNorm,
+rotary and SwiGLU). The built-in tiny model is checked for determinism the same way. Loader,
+config and tokenizer checks are in test_model_hf_loading.py.
 """
 
 from __future__ import annotations
@@ -89,14 +90,17 @@ class PagedRunner:
 
 @pytest.mark.parametrize("gemm,decode", [("torch", "gather"), ("torch", "kernel"), ("onednn", "kernel")])
 def test_logits_and_greedy_match_transformers(checkpoint, gemm, decode):
-    if decode == "kernel" and cpu_attention.load() is None:
+    if decode == "kernel" and not cpu_attention.available():
         pytest.skip("no C compiler for the CPU decode kernel")
-    model, config, _ = load_model(checkpoint.dir, device="cpu", backend="torch", cpu_gemm=False)
+    kernels = decode == "kernel"  # the compiled kernels: decode attention and the elementwise steps
+    model, config, _ = load_model(checkpoint.dir, device="cpu", backend="torch", cpu_gemm=False,
+                                  cpu_fused=kernels)
+    assert model.norm.fused == kernels
     if gemm == "onednn":  # these weights are below the size that packs by default: pack them anyway
         model.pack_cpu_gemm(True, min_elements=0)
         assert model.layers[0].mlp.down_proj.packed is not None and model.logits_packed is not None
     assert config.dtype == "float32" and next(model.parameters()).dtype == torch.float32
-    runner = PagedRunner(model, config, kernel=decode == "kernel")
+    runner = PagedRunner(model, config, kernel=kernels)
     prompts = dict(enumerate(checkpoint.prompts))
     ours, prefill, hits = runner.generate(prompts, NEW_TOKENS)
     assert set(hits.values()) == {0}

@@ -1,9 +1,9 @@
 /* Paged decode attention for CPU in float32: one query per sequence, keys and values read in
  * place from the paged KV pool through each sequence's block table.
  *
- * Built at first use by engine/cpu_attention.py (cc -O3 -march=native -fopenmp) and called
- * through ctypes with tensors' data pointers; the Python side checks every shape, dtype and
- * stride first. For each (sequence, kv head) it scores the G = Hq / Hkv query heads of that kv
+ * Built at first use by engine/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
+ * through ctypes with tensors' data pointers; engine/cpu_attention.py checks every shape, dtype
+ * and stride first. For each (sequence, kv head) it scores the G = Hq / Hkv query heads of that kv
  * head against the sequence's keys (each key read once for all G), takes an exact softmax (max
  * subtracted, float32 sums), then sums the values weighted by it. Work is proportional to the
  * keys each sequence actually has: no padding to the longest sequence, no copy of the history.
@@ -15,56 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Sixteen floats as one vector (GCC/Clang vector extensions: AVX-512 where there is one, pairs
- * or quads of narrower registers elsewhere; the order of every sum is the same either way). */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
+#include "vec16.h"
 
-static inline v16 load16(const float *p) {
-    v16 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-
-static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask is set, else b */
-    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
-}
-
-static inline float hsum16(v16 x) { /* a fixed tree: halves, quarters, then four lanes */
-    v8 lo, hi;
-    memcpy(&lo, &x, sizeof lo);
-    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
-    v8 a = lo + hi;
-    v4 l4, h4;
-    memcpy(&l4, &a, sizeof l4);
-    memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
-    v4 b = l4 + h4;
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* e^x for x <= 0 (scores minus their max): x = n ln2 + r with n = round(x / ln2), a degree-6
- * polynomial for e^r (Cephes' expf coefficients, about 1 ulp), 2^n from the exponent bits.
- * Below -87.3 (where e^x leaves the normal floats), -inf included, it gives 0. */
-static inline v16 exp16(v16 x) {
-    const v16 low = (v16){0} - 87.3f;
-    i16 tiny = x < low;
-    x = select16(tiny, low, x);
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    v16 y = p * r * r + r + 1.0f;
-    i16 two_n = (__builtin_convertvector(n, i16) + 127) << 23;
-    return (v16)((i16)(y * (v16)two_n) & ~tiny);
+/* Ask for `rows` rows of D floats, `stride` apart, ahead of their use: a sequence's blocks lie
+ * anywhere in the pool, so the hardware prefetchers start over at every block. */
+static inline void prefetch_rows(const float *p, int64_t rows, int64_t stride, int64_t D) {
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t d = 0; d < D; d += 16)
+            __builtin_prefetch(p + j * stride + d);
 }
 
 /* One (sequence, kv head), D a multiple of 16: q (G, D) rows `q_head_stride` apart, `len` keys
@@ -79,6 +37,8 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
             const float *kb = k_cache + table[blk] * sN + head_offset;
             int64_t n = len - t0 < B ? len - t0 : B;
+            if (g == 0 && t0 + B < len) /* the next block's keys, while this one's are scored */
+                prefetch_rows(k_cache + table[blk + 1] * sN + head_offset, B, sB, D);
             for (int64_t j = 0; j < n; j++) {
                 const float *k = kb + j * sB;
                 v16 acc = load16(qg) * load16(k);
@@ -100,7 +60,7 @@ static inline __attribute__((always_inline)) void attend(
             m = top[l] > m ? top[l] : m;
         v16 part = {0};
         for (int64_t t = 0; t < padded; t += 16) {
-            v16 e = exp16(load16(scores + t) - m);
+            v16 e = exp16_nonpositive(load16(scores + t) - m);
             store16(scores + t, e);
             part += e;
         }
@@ -109,6 +69,8 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
             const float *vb = v_cache + table[blk] * sN + head_offset;
             int64_t n = len - t0 < B ? len - t0 : B;
+            if (g == 0 && t0 + B < len)
+                prefetch_rows(v_cache + table[blk + 1] * sN + head_offset, B, sB, D);
             for (int64_t j = 0; j < n; j++) {
                 const float *v = vb + j * sB;
                 float p = scores[t0 + j];

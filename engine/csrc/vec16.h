@@ -1,0 +1,71 @@
+/* Sixteen floats as one vector, for the CPU kernels in this directory.
+ *
+ * GCC/Clang vector extensions: one AVX-512 register where the CPU has them, pairs or quads of
+ * narrower registers elsewhere; the order of every sum written with these is the same either
+ * way, so a kernel's results do not depend on the vector width it was compiled for.
+ */
+#ifndef PD_VEC16_H
+#define PD_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+static inline v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+static inline v16 select16(i16 mask, v16 a, v16 b) { /* a where mask is set, else b */
+    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+}
+
+static inline float hsum16(v16 x) { /* a fixed tree: halves, quarters, then four lanes */
+    v8 lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    v8 a = lo + hi;
+    v4 l4, h4;
+    memcpy(&l4, &a, sizeof l4);
+    memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
+    v4 b = l4 + h4;
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* e^x for x <= 88.3: x = n ln2 + r with n = round(x / ln2), a degree-6 polynomial for e^r
+ * (Cephes' expf coefficients, about 1 ulp), 2^n from the exponent bits. Below -87.3 (where e^x
+ * leaves the normal floats), -inf included, it gives 0. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const v16 low = (v16){0} - 87.3f;
+    i16 tiny = x < low;
+    x = select16(tiny, low, x);
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16 y = p * r * r + r + 1.0f;
+    i16 two_n = (__builtin_convertvector(n, i16) + 127) << 23;
+    return (v16)((i16)(y * (v16)two_n) & ~tiny);
+}
+
+/* e^x for any x: as exp16_nonpositive, and +inf above 88.3 (e^x within 2x of the largest float). */
+static inline v16 exp16(v16 x) {
+    const v16 high = (v16){0} + 88.3f;
+    i16 huge = x > high;
+    v16 y = exp16_nonpositive(select16(huge, high, x));
+    return select16(huge, (v16){0} + __builtin_inff(), y);
+}
+
+#endif
