@@ -168,3 +168,12 @@ def test_without_a_compiler_the_engine_uses_the_mirror(monkeypatch, tmp_path, ca
     assert eng.workspace.kernel and eng.workspace.mirror is None
     with_kernel = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert with_kernel[0].choices[0]["token_ids"] == without[0].choices[0]["token_ids"]
+
+
+def test_decode_benchmark_runs_every_path_on_the_same_steps():
+    """`pdserve bench decode`'s case runner on a small case: each path timed on as many steps."""
+    from bench.cpu_decode import PATHS, run_case
+
+    r = run_case(("small", 4, 2, 16, 2, 3, 5, 40), steps=2, rounds=1)
+    assert set(r["us_per_layer_step"]) == set(PATHS) and r["steps_per_path"] == 2
+    assert all(t > 0 for t in r["us_per_layer_step"].values()) and r["kernel_kv_gbytes_per_s"] > 0
