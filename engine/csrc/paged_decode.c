@@ -4,11 +4,15 @@
  * Built at first use by engine/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes with tensors' data pointers; engine/cpu_attention.py checks every shape, dtype
  * and stride first. For each (sequence, kv head) it scores the G = Hq / Hkv query heads of that kv
- * head against the sequence's keys (each key read once for all G), takes an exact softmax (max
- * subtracted, float32 sums), then sums the values weighted by it. Work is proportional to the
+ * head, one after another, against the sequence's keys (the first pass brings them into cache),
+ * takes an exact softmax (max subtracted, float32 sums), then sums the values weighted by it. Work is proportional to the
  * keys each sequence actually has: no padding to the longest sequence, no copy of the history.
- * (sequence, kv head) pairs are independent and split across `threads` OpenMP threads; each
- * pair's arithmetic is the same whatever the thread count, so results do not depend on it.
+ * Keys are scored sixteen at a time, their sixteen partial-sum vectors folded together
+ * (vec16.h's fold16, in hsum16's order). (sequence, kv head) pairs are independent and split
+ * across `threads` OpenMP threads, on torch's own OpenMP runtime (the same soname, loaded once);
+ * each pair's arithmetic is the same whatever the thread count, so results do not depend on it.
+ * (Measured and not kept: one task per sequence reading each block once for all heads, 10-20%
+ * slower in the engine; fused multiply-adds, no faster: the kernel waits on memory.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,18 +38,29 @@ static inline __attribute__((always_inline)) void attend(
     enum { MAX_D = 256 };
     for (int64_t g = 0; g < G; g++) { /* one query head at a time: its q and sums stay in registers */
         const float *qg = q + g * q_head_stride;
-        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
-            const float *kb = k_cache + table[blk] * sN + head_offset;
-            int64_t n = len - t0 < B ? len - t0 : B;
-            if (g == 0 && t0 + B < len) /* the next block's keys, while this one's are scored */
-                prefetch_rows(k_cache + table[blk + 1] * sN + head_offset, B, sB, D);
-            for (int64_t j = 0; j < n; j++) {
-                const float *k = kb + j * sB;
-                v16 acc = load16(qg) * load16(k);
-                for (int64_t d = 16; d < D; d += 16)
-                    acc += load16(qg + d) * load16(k + d);
-                scores[t0 + j] = hsum16(acc) * scale;
-            }
+        int64_t t = 0;
+#if PD_HAVE_SHUFFLE
+        for (; t + 16 <= len; t += 16) { /* sixteen keys at a time, their sums folded together */
+            const float *k[16];
+            for (int j = 0; j < 16; j++)
+                k[j] = k_cache + table[(t + j) / B] * sN + ((t + j) % B) * sB + head_offset;
+            if (g == 0 && t + 16 < len) /* the next keys, while these are scored */
+                prefetch_rows(k_cache + table[(t + 16) / B] * sN + head_offset, B, sB, D);
+            v16 acc[16];
+            for (int j = 0; j < 16; j++)
+                acc[j] = load16(qg) * load16(k[j]);
+            for (int64_t d = 16; d < D; d += 16)
+                for (int j = 0; j < 16; j++)
+                    acc[j] += load16(qg + d) * load16(k[j] + d);
+            store16(scores + t, fold16(acc) * scale);
+        }
+#endif
+        for (; t < len; t++) { /* the rest one key at a time: the same sums, the same order */
+            const float *k = k_cache + table[t / B] * sN + (t % B) * sB + head_offset;
+            v16 acc = load16(qg) * load16(k);
+            for (int64_t d = 16; d < D; d += 16)
+                acc += load16(qg + d) * load16(k + d);
+            scores[t] = hsum16(acc) * scale;
         }
         int64_t padded = (len + 15) & ~(int64_t)15;
         for (int64_t t = len; t < padded; t++)

@@ -39,6 +39,30 @@ static inline float hsum16(v16 x) { /* a fixed tree: halves, quarters, then four
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define PD_HAVE_SHUFFLE 1
+#define PD_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* The sixteen lane sums of x[0..15], lane j for x[j], in hsum16's tree order (so the same bits):
+ * fold lanes l and l + 8, then l and l + 4, l and l + 2, l and l + 1, two vectors at a time. */
+static inline v16 fold16(const v16 x[16]) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* x[2i]'s eight half sums in lanes 0-7, x[2i+1]'s in 8-15 */
+        a[i] = PD_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               PD_SHUFFLE(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* four lanes per vector of x */
+        b[i] = PD_SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               PD_SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* two */
+        c[i] = PD_SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               PD_SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return PD_SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + /* one */
+           PD_SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#else
+#define PD_HAVE_SHUFFLE 0
+#endif
+
 /* e^x for x <= 88.3: x = n ln2 + r with n = round(x / ln2), a degree-6 polynomial for e^r
  * (Cephes' expf coefficients, about 1 ulp), 2^n from the exponent bits. Below -87.3 (where e^x
  * leaves the normal floats), -inf included, it gives 0. */
