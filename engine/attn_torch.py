@@ -1,8 +1,10 @@
 """Attention in plain torch over the paged KV cache, with separate decode and prefill paths.
 
-Decode (one query per sequence): in the engine, each sequence's K/V are read where they lie in
-the persistent per-slot decode mirror (engine.attn_mirror), one batched matmul pair over (slot,
-kv head), only the new tokens written per step. Otherwise (ragged batches, standalone callers)
+Decode (one query per sequence): on CPU in float32, when the workspace asks for it (the engine's
+default), the compiled kernel of engine.cpu_attention reads each sequence's own blocks in place.
+Otherwise, in the engine, each sequence's K/V are read where they lie in the persistent per-slot
+decode mirror (engine.attn_mirror), one batched matmul pair over (slot, kv head), only the new
+tokens written per step. Otherwise (ragged batches, standalone callers)
 sequences of similar length form a group whose blocks (only each sequence's own, padded to the
 group's longest with the null block) are gathered once per layer into a reused workspace, and
 the queries attend with two batched matmuls and a softmax under a padding bias (for small GQA
