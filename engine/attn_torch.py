@@ -103,8 +103,8 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, layer
         workspace = meta.workspace
         starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
         kernel = None
-        if decode and workspace is not None and workspace.kernel and q.dtype == torch.float32 \
-                and q.device.type == "cpu" and cpu_attention.supports_head_dim(q.shape[2]):
+        if decode and workspace is not None and workspace.kernel and \
+                cpu_attention.applies(q.device, q.dtype, q.shape[2]):
             rows = [starts[s] for s in decode]
             batch = cpu_attention.DecodeBatch.build([meta.tables_host[s] for s in decode],
                                                     [meta.seq_lens_host[s] for s in decode], B)

@@ -30,6 +30,11 @@ def supports_head_dim(head_dim: int) -> bool:
     return head_dim % 16 == 0 and 0 < head_dim <= 256
 
 
+def applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The kernel serves this attention: CPU, float32, a head size it takes, and it is built."""
+    return device.type == "cpu" and dtype == torch.float32 and supports_head_dim(head_dim) and available()
+
+
 @dataclass(frozen=True)
 class DecodeBatch:
     """One step's decode sequences for the kernel, checked once (every layer reuses it)."""

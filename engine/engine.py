@@ -44,11 +44,9 @@ class EngineConfig:
     num_host_blocks: int = 256       # host swap pool in blocks (0 disables swap preemption)
     enable_prefix_caching: bool = True  # reuse full blocks of prompts seen before
     attention_backend: str = "auto"  # 'auto', 'torch' or 'triton'
-    cpu_kernels: bool = True         # CPU float32: compiled C kernels for decode attention (reading the
-                                     # pool in place) and the layers' elementwise steps (engine.cpu_kernels;
-                                     # torch paths without a C compiler)
-    decode_mirror: bool = True       # torch backend without that kernel: decode reads a per-slot K/V
-                                     # buffer (2-3x KV memory)
+    cpu_kernels: bool = True         # CPU float32: compiled C decode attention (pool read in place) and
+                                     # elementwise steps (engine.cpu_kernels; torch paths without a compiler)
+    decode_mirror: bool = True       # torch backend without that kernel: decode reads a per-slot K/V buffer
     cpu_gemm: bool = True            # CPU float32: matmuls via oneDNN, weights packed once (a 2nd copy)
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
@@ -91,11 +89,9 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,
                                  config.enable_prefix_caching, host)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        kernel = config.cpu_kernels and self.backend.name == "torch" and self.device.type == "cpu" \
-            and kv_dtype == "float32" and cpu_attention.supports_head_dim(self.model_config.head_dim) \
-            and cpu_attention.available()
-        # the torch attention's buffers, and either the kernel or the decode mirror
-        self.workspace = Workspace(config.decode_mirror and not kernel, kernel)
+        kernel = config.cpu_kernels and self.backend.name == "torch" and \
+            cpu_attention.applies(self.device, self.storage.data.dtype, self.model_config.head_dim)
+        self.workspace = Workspace(config.decode_mirror and not kernel, kernel)  # kernel or mirror
         if self.workspace.mirror is not None and self.backend.name == "torch" and config.role != "prefill":
             # now, not in the first request's first decode step
             layers = range(self.model_config.num_layers)
@@ -207,7 +203,8 @@ class LLMEngine:
         meta = AttentionMetadata.build(tables, seq_lens, q_lens, self.config.block_size, self.device,
                                        null_block=self.storage.null_block_id)
         meta.workspace, meta.seq_ids = self.workspace, [s.seq_id for _, s, _ in entries]
-        meta.final_lens = [len(s.prompt_ids) + req.params.max_tokens for req, s, _ in entries]
+        if self.workspace.mirror is not None:  # sizes the mirror's slots
+            meta.final_lens = [len(s.prompt_ids) + req.params.max_tokens for req, s, _ in entries]
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions, self.storage,
                                         meta, rows if len(rows) < len(ids) else None)  # (R, hidden)
