@@ -13,7 +13,7 @@ import time
 from coordinator.bounded import bounded
 from coordinator.guard import Overloaded
 from coordinator.protocol import InvalidRequest, ServiceUnavailable, Timeout
-from coordinator.workers import RequestState, command, tell
+from coordinator.workers import CommandEncodeError, RequestState, actor_died, command, tell
 from protocol.messages import Abort, Reserve
 
 
@@ -46,9 +46,12 @@ class AdmissionMixin:
                 except asyncio.TimeoutError:
                     raise Timeout(f"decode worker {worker.name} did not answer within {c.call_timeout_s}s") \
                         from None
-                except Exception as e:  # the actor died: say so now, not a heartbeat later, and go on
-                    worker.dead = type(e).__name__
-                    continue
+                except CommandEncodeError as e:  # this request's fields, not the worker
+                    raise InvalidRequest(f"the request cannot be encoded for the workers: {e}") from None
+                except Exception as e:
+                    if actor_died(e):  # Ray says it is gone: say so now, not a heartbeat later
+                        worker.dead = type(e).__name__
+                    continue  # either way, ask the next decode worker
                 if reply.granted:
                     if request.rid not in self._requests:  # dropped while we waited: give the credit back
                         tell(worker, Abort(request.rid))

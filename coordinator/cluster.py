@@ -27,14 +27,16 @@ from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
 from coordinator.lifecycle import LifecycleMixin
 from coordinator.metrics import Metrics, worker_metrics_text
-from coordinator.protocol import APIError, InvalidRequest, ServiceUnavailable, Timeout
+from coordinator.protocol import APIError, InternalError, InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.reconcile import Reconciler
 from coordinator.reports import ReportsMixin
 from coordinator.router import NoWorkerError, Router, WorkerLoad
 from coordinator.workers import (
     ROLES_COLOCATED,
     ROLES_DISAGGREGATED,
+    CommandEncodeError,
     RequestState,
+    actor_died,
     command,
     tell,
 )
@@ -69,6 +71,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         self._lost: set[str] = set()
         self._replacing: set[str] = set()  # lost workers whose replacement is on the way
         self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
+        self.slot_status: dict[str, str] = {}        # slot -> why it is empty now (being replaced)
         self._joining: dict = {}                     # replacement workers not yet handshaken
         self._waiters: collections.deque = collections.deque()  # requests waiting for decode room, in order
         self.bind_host = "127.0.0.1"                 # where the report socket binds (set at start)
@@ -95,18 +98,22 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
     def health(self) -> tuple[bool, str]:
         for role in self.roles:
             if not any(worker.alive(self.config.heartbeat_timeout_s) for worker in self._role(role)):
-                return False, f"no live {role} worker"
+                empty = [f"{slot}: {why}" for slot, why in self.slot_status.items() if slot.startswith(role)]
+                return False, f"no live {role} worker" + (f" ({'; '.join(empty)})" if empty else "")
         return True, "ok"
 
     def info(self) -> dict:
         timeout = self.config.heartbeat_timeout_s
         workers = [{"name": worker.name, "role": worker.role, "address": worker.address,
-                    "block_size": worker.block_size, "alive": worker.alive(timeout), **worker.info,
+                    "block_size": worker.block_size, "alive": worker.alive(timeout),
+                    "not_alive_because": worker.why_not_alive(timeout), "loop": worker.progress,
+                    **worker.info,
                     **{k: v for k, v in worker.stats.items() if k not in ("name", "role")}}
                    for worker in self.workers.values()]
         return {"mode": "colocated" if self.colocated else "cluster", "model": self.name,
                 "transport": None if self.colocated else self.config.transport,
-                "routing": self.config.routing, "workers": workers, "ledger": self.ledger.summary()}
+                "routing": self.config.routing, "workers": workers, "empty_slots": dict(self.slot_status),
+                "ledger": self.ledger.summary()}
 
     def metrics_text(self) -> str:
         return worker_metrics_text([{**worker.stats, "name": worker.name, "role": worker.role}
@@ -169,11 +176,18 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
                          list(request.generated))
         try:
             reply = await command(self.workers[target], cmd, self.config.call_timeout_s)
+        except CommandEncodeError as e:  # this request's fields: a 400, the worker is fine
+            raise InvalidRequest(f"the request cannot be encoded for the workers: {e}") from None
         except asyncio.TimeoutError:
             raise Timeout(f"a worker did not take the request within {self.config.call_timeout_s}s") from None
-        except Exception as e:  # the actor died: mark it so routing skips it from now on
-            self.workers[target].dead = type(e).__name__
-            raise ServiceUnavailable(f"worker {target} failed: {type(e).__name__}") from None
+        except Exception as e:
+            if actor_died(e):  # Ray says its process is gone: routing skips it from now on
+                self.workers[target].dead = type(e).__name__
+                raise ServiceUnavailable(f"worker {target} died: {type(e).__name__}") from None
+            # the call failed but the worker lives (its heartbeats say so): this request fails alone
+            log.warning("request %s: worker %s could not take it: %r", request.rid, target, e)
+            self.metrics.count_error("dispatch")
+            raise InternalError(f"worker {target} could not take the request: {type(e).__name__}") from None
         if reply.error:
             raise InvalidRequest(reply.error, param="prompt")
 

@@ -28,7 +28,12 @@ class ClusterConfig:
     start_timeout_s: float = 180.0    # bound on workers loading and handshaking
     call_timeout_s: float = 10.0      # bound on one command to a worker
     event_timeout_s: float = 60.0     # longest silence inside a request before it times out
-    heartbeat_timeout_s: float = 5.0  # a worker silent this long is dead (its requests move or fail with 503)
+    # a worker whose heartbeat thread is silent this long is dead (its requests move or fail with 503);
+    # also the least time one loop iteration may take before it counts as wedged (coordinator.workers)
+    heartbeat_timeout_s: float = 5.0
+    # > 0: engines size each step's token budget to take about this long, from the steps they measured
+    # (engine.step_pacer), within max_num_batched_tokens; 0: the fixed budget
+    step_target_s: float = 0.25
     report_s: float = 0.2             # a worker reports at least this often
     ledger_grace_s: float = 1.0       # a ledger discrepancy older than this is counted and repaired
     monitor_s: float = 0.25           # how often liveness is checked
@@ -48,5 +53,8 @@ class ClusterConfig:
     # loads the coordinator's copy from Ray's object store, once per node), 'always', or 'never'
     model_distribution: str = "auto"
     restart_backoff_s: float = 1.0    # a dead worker is replaced after this, doubled per recent restart
-    max_restarts: int = 3             # replacements per slot within restart_window_s; beyond, it stays dead
+    # quick replacements per slot within restart_window_s; beyond, one try every restart_max_backoff_s
+    # (a slot is never left empty for good); 0: never replace (the dead stay dead, for tests)
+    max_restarts: int = 3
+    restart_max_backoff_s: float = 30.0
     restart_window_s: float = 300.0

@@ -133,8 +133,9 @@ class FailoverMixin:
         """Act, at once, on the requests of a worker whose heartbeat stopped (see the module doc)."""
         while True:
             await asyncio.sleep(self.config.monitor_s)
-            for worker in self.workers.values():
-                if worker.alive(self.config.heartbeat_timeout_s):
+            for worker in list(self.workers.values()):
+                why = worker.why_not_alive(self.config.heartbeat_timeout_s)
+                if why is None:
                     self._lost.discard(worker.name)
                     continue
                 if worker.name in self._lost:
@@ -142,8 +143,7 @@ class FailoverMixin:
                 self._lost.add(worker.name)
                 self.ledger.forget_worker(worker.name)  # a dead worker holds nothing
                 self.reconciler.forget_worker(worker.name)
-                log.warning("worker %s is gone (no heartbeat for %.1fs)", worker.name,
-                            self.config.heartbeat_timeout_s)
+                log.warning("worker %s is gone: %s", worker.name, why)
                 self.routers[worker.role].forget(worker.name)
                 for request in list(self._requests.values()):
                     self._on_lost(worker, request)

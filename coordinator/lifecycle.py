@@ -4,7 +4,9 @@
 (bounded) for each to describe itself and report once, and has every prefill worker handshake
 with every decode worker: an incompatible pair (layout, model) refuses to start, naming both.
 A worker found dead (coordinator.failover's monitor) is replaced after a backoff that doubles
-with each recent replacement of its slot, at most `max_restarts` per `restart_window_s`; the
+with each recent replacement of its slot; past `max_restarts` per `restart_window_s` the slot
+keeps being retried every `restart_max_backoff_s`, never left empty for good, and `slot_status`
+(in /health and /v1/cluster) says why it is empty meanwhile; the
 replacement ("decode-0-r1") joins only after the same handshakes as at start, and the dead
 one leaves the worker table. One replacement per lost worker at a time; a worker that reports
 again during the backoff (slow, not dead) is kept instead. If the coordinator itself dies, Ray
@@ -131,36 +133,52 @@ class LifecycleMixin:
             await asyncio.sleep(0.02)
 
     async def _replace(self, dead) -> None:
-        """Replace a dead worker (see the module docstring); gives up, logged, past the limit."""
-        if dead.name in self._replacing:  # it was lost again while its replacement was on the way
+        """Replace a dead worker (see the module docstring). Never gives up while the cluster runs
+        (unless max_restarts is 0: replacement off): past the quick restarts it keeps trying at
+        `restart_max_backoff_s`, and `slot_status` says why the slot is empty meanwhile."""
+        if dead.name in self._replacing or self.config.max_restarts <= 0:
             return
         self._replacing.add(dead.name)
+        slot = dead.slot or dead.name
         try:
-            await self._replace_once(dead)
+            while not await self._replace_once(dead):
+                pass
         finally:
             self._replacing.discard(dead.name)
+            self.slot_status.pop(slot, None)
 
-    async def _replace_once(self, dead) -> None:
+    def _restart_delay(self, slot: str) -> tuple[float, int]:
+        """(seconds to wait before the next try for `slot`, tries within the window so far)."""
+        c, now = self.config, time.monotonic()
+        recent = self._restarts.setdefault(slot, [])
+        recent[:] = [t for t in recent if now - t < c.restart_window_s]
+        if len(recent) >= c.max_restarts:  # the quick restarts are spent: a bounded, steady pace
+            self.metrics.count_error("restart_limit")
+            return c.restart_max_backoff_s, len(recent)
+        return min(c.restart_backoff_s * 2 ** len(recent), c.restart_max_backoff_s), len(recent)
+
+    async def _replace_once(self, dead) -> bool:
+        """One try at replacing `dead`; True when done (replaced, or it came back), False to try again."""
         import ray
 
         c, slot = self.config, dead.slot or dead.name
-        now = time.monotonic()
-        recent = self._restarts.setdefault(slot, [])
-        recent[:] = [t for t in recent if now - t < c.restart_window_s]
-        if len(recent) >= c.max_restarts:
-            log.error("worker slot %s died %d times within %gs: not replaced", slot, len(recent),
-                      c.restart_window_s)
-            self.metrics.count_error("restart_limit")
-            return
-        await asyncio.sleep(c.restart_backoff_s * 2 ** len(recent))
+        delay, tries = self._restart_delay(slot)
+        why = dead.why_not_alive(c.heartbeat_timeout_s) or "lost"
+        self.slot_status[slot] = (f"{dead.name} {why}; replacement try {tries + 1} in {delay:g}s "
+                                  f"({tries} within the last {c.restart_window_s:g}s)")
+        if tries >= c.max_restarts:
+            log.error("worker slot %s: %d replacements within %gs; trying again in %gs", slot, tries,
+                      c.restart_window_s, delay)
+        await asyncio.sleep(delay)
         if dead.name not in self._lost:  # it reported again during the backoff: slow, not dead
             log.warning("worker %s came back: not replaced", dead.name)
-            return
-        recent.append(time.monotonic())
+            return True
+        self._restarts[slot].append(time.monotonic())
         ray.kill(dead.handle, no_restart=True)  # a wedged one still holds its CPUs, GPU and blocks
         worker = spawn_worker(c, dead.role, slot, self._pull.address, self.namespace, dead.generation + 1,
                               self._kv_host(), self._published, self.keys)
         self._joining[worker.name] = worker  # its reports update its stats; nothing is routed to it yet
+        self.slot_status[slot] = f"{dead.name} {why}; replacement {worker.name} is starting"
         try:
             await self._describe(worker)
             pairs = [(p, worker) for p in self._live("prefill")] if dead.role == "decode" else \
@@ -168,11 +186,12 @@ class LifecycleMixin:
             for prefill, decode in pairs:
                 await self._handshake(prefill, decode)
             await self._first_report([worker], time.monotonic() + c.start_timeout_s)
-        except Exception as e:  # noqa: BLE001 (any failure: the replacement does not join)
+        except Exception as e:  # noqa: BLE001 (any failure: the replacement does not join; try again)
             log.error("replacement %s for %s did not join: %s", worker.name, dead.name, e)
             ray.kill(worker.handle, no_restart=True)
             self.metrics.count_error("restart_failed")
-            return
+            dead.generation += 1  # the next try gets a fresh name
+            return False
         finally:
             self._joining.pop(worker.name, None)
         self.workers[worker.name] = worker
@@ -180,6 +199,7 @@ class LifecycleMixin:
         self._lost.discard(dead.name)
         self.metrics.count_restart(dead.role)
         log.warning("worker %s replaced by %s", dead.name, worker.name)
+        return True
 
     def _live(self, role: str) -> list:
         timeout = self.config.heartbeat_timeout_s

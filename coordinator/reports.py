@@ -1,7 +1,9 @@
 """Worker reports, as a mixin of `ClusterBackend` (coordinator.cluster).
 
 Every worker pushes one `WorkerReport` per loop iteration (at least every `report_s`) to the
-coordinator's `PullQueue`: its stats, the blocks it holds per request, and typed events. For
+coordinator's `PullQueue`, and its heartbeat thread a `Heartbeat` every `report_s` (liveness and
+loop progress: coordinator.workers.WorkerState.wedged). A report carries its stats, the blocks
+it holds per request, and typed events. For
 each report the coordinator applies the events (dispatched by type), then records the holdings
 in the ledger and reconciles (coordinator.reconcile): orphaned blocks are aborted on the worker,
 a live request whose blocks vanished is failed loudly. Token events are reordered by output
@@ -20,6 +22,7 @@ from coordinator.workers import tell
 from protocol.messages import (
     Abort,
     DropHeld,
+    Heartbeat,
     Imported,
     ImportRefused,
     Migrated,
@@ -42,6 +45,10 @@ class ReportsMixin:
             try:
                 if isinstance(report, WorkerReport):
                     self._on_report(report)
+                elif isinstance(report, Heartbeat):
+                    worker = self.workers.get(report.worker) or self._joining.get(report.worker)
+                    if worker is not None:
+                        worker.beat(report)
                 else:
                     self.metrics.count_error("bad_event")
             except Exception:  # a report that breaks a handler must not stop the reader

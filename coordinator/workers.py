@@ -20,6 +20,29 @@ from protocol.codec import decode, encode
 
 ROLES_DISAGGREGATED = ("prefill", "decode")
 ROLES_COLOCATED = ("colocated",)
+WEDGE_FACTOR = 4.0  # a loop iteration may run this many times its step's expected time (WorkerState.wedged)
+
+
+class CommandEncodeError(ValueError):
+    """A command that cannot be encoded for the wire: the request's fault, never the worker's."""
+
+
+def encode_command(cmd) -> bytes:
+    """`cmd` as msgpack bytes, or CommandEncodeError naming why not (an unencodable string, an
+    integer beyond 64 bits...). Encoding happens before anything leaves the coordinator, so an
+    error here is never mistaken for the death of the worker it was meant for."""
+    try:
+        return encode(cmd)
+    except (TypeError, ValueError, OverflowError, UnicodeError) as e:
+        raise CommandEncodeError(f"{type(e).__name__}: {e}") from None
+
+
+def actor_died(error: BaseException) -> bool:
+    """True when Ray says the actor's process is gone; a call that raised, or an actor that is
+    only unreachable for now (ActorUnavailableError), is not a death."""
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(error, ActorDiedError)
 
 
 @dataclass
@@ -35,12 +58,49 @@ class WorkerState:
     slot: str = ""                                 # the place it fills ("decode-0"); kept by replacements
     generation: int = 0                            # 0: the first worker of the slot; g: its g-th replacement
     info: dict = field(default_factory=dict)       # what it said of itself at start (node, pid, device)
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # its last report or heartbeat
     dead: str | None = None
+    progress: dict = field(default_factory=dict)   # its last Heartbeat's loop progress (runtime.heartbeat)
+    progress_at: float = 0.0                       # when that heartbeat arrived
 
     def alive(self, timeout: float) -> bool:
-        fresh = time.monotonic() - self.last_seen < timeout
-        return self.dead is None and not self.stats.get("failed") and fresh
+        """Its process heartbeats (within `timeout`) and its loop progresses (see `wedged`)."""
+        return self.why_not_alive(timeout) is None
+
+    def why_not_alive(self, timeout: float) -> str | None:
+        """None when alive, else why not: dead (as Ray or its loop said), silent, or wedged."""
+        now = time.monotonic()
+        if self.dead is not None:
+            return f"dead ({self.dead})"
+        if self.stats.get("failed"):
+            return f"its loop failed ({self.stats['failed']})"
+        if now - self.last_seen >= timeout:
+            return f"no heartbeat for {now - self.last_seen:.1f}s"
+        return self.wedged(timeout, now)
+
+    def wedged(self, floor_s: float, now: float) -> str | None:
+        """Why its loop counts as wedged, or None. A busy loop is not a dead one: one iteration may
+        run as long as WEDGE_FACTOR times what its current step should take at the step rate the
+        worker measured (a long prefill step on a slow machine), and never less than `floor_s`."""
+        p = self.progress
+        if not p:
+            return None
+        busy = p["busy_s"] + (now - self.progress_at)
+        allowed = max(floor_s, WEDGE_FACTOR * p["step_expected_s"])
+        if busy <= allowed:
+            return None
+        step = f"a step of {p['step_tokens']} tokens expected to take {p['step_expected_s']:.2f}s" \
+            if p["step_tokens"] else "no engine step"
+        return f"wedged: one loop iteration has run {busy:.1f}s ({step}; allowed {allowed:.1f}s)"
+
+    def beat(self, beat) -> None:
+        """A Heartbeat from its heartbeat thread: the process is alive; record its loop's progress."""
+        now = time.monotonic()
+        self.last_seen, self.progress_at = now, now
+        self.progress = {"busy_s": beat.busy_s, "step_tokens": beat.step_tokens,
+                         "step_expected_s": beat.step_expected_s}
+        if not beat.loop_alive and self.dead is None:
+            self.dead = "its engine loop ended"
 
 
 @dataclass
@@ -100,8 +160,10 @@ async def call(ref, timeout: float):
 
 
 async def command(worker: WorkerState, cmd, timeout: float):
-    """Send a typed command to a worker and return its typed reply (bounded)."""
-    return decode(await call(worker.handle.command.remote(encode(cmd)), timeout))
+    """Send a typed command to a worker and return its typed reply (bounded). Raises
+    CommandEncodeError, before sending anything, when the command cannot be encoded."""
+    data = encode_command(cmd)
+    return decode(await call(worker.handle.command.remote(data), timeout))
 
 
 def tell(worker: WorkerState, cmd) -> None:
@@ -137,6 +199,7 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
 
     name = slot if generation == 0 else f"{slot}-r{generation}"
     engine = {"model": c.model, "num_blocks": c.num_blocks, **c.engine, "block_size": c.block_size}
+    engine["scheduler"] = {"step_target_s": c.step_target_s, **engine.get("scheduler", {})}
     config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s}
     resources = {}
     if role == "prefill":

@@ -100,6 +100,7 @@ class LLMEngine:
         self.prefilled: dict[str, Request] = {}  # prefill role: first token out, blocks held
         self.steps = 0
         self.last_step_prefill_tokens = 0  # prefill tokens the last step computed (0: decode only)
+        self.current_step: tuple[float, int] | None = None  # (start, tokens) of the forward in progress
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -165,7 +166,10 @@ class LLMEngine:
             return []
         self.steps += 1
         self.last_step_prefill_tokens = sum(n for _, _, n in plan.prefill)
+        self.current_step = (time.monotonic(), plan.num_tokens)  # read by the worker's heartbeat thread
         ready, logits = self._forward(plan)
+        self.scheduler.pacer.observe(plan.num_tokens, time.monotonic() - self.current_step[0])
+        self.current_step = None
         by_req: dict[str, tuple[Request, dict[int, int]]] = {}  # request id -> (request, seq_id -> row)
         for i, (req, s) in enumerate(ready):
             by_req.setdefault(req.request_id, (req, {}))[1][s.seq_id] = i

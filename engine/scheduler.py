@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import Request, Sequence, Status
+from engine.step_pacer import StepPacer
 from kvcache.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,15 @@ class SchedulerConfig:
     """max_num_seqs: sequences resident at once; max_num_batched_tokens: tokens per step (one per
     decoding sequence plus prefill chunks); enable_chunked_prefill: split prompts across steps
     (off: a prompt prefills whole, alone when it is over the budget); preemption_mode:
-    'recompute' or 'swap'."""
+    'recompute' or 'swap'; step_target_s: > 0 sizes each step's budget so the step takes about
+    this long, as measured on the steps run so far (engine.step_pacer), never over
+    max_num_batched_tokens; 0 keeps the fixed budget (deterministic chunking)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
     enable_chunked_prefill: bool = True
+    step_target_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -68,6 +72,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.preemptions = 0
         self.swap_fallbacks = 0  # swap asked for, host pool full, recomputed instead
+        self.pacer = StepPacer(config.step_target_s, config.max_num_batched_tokens)  # the engine feeds it
 
     @property
     def num_unfinished(self) -> int:
@@ -95,7 +100,7 @@ class Scheduler:
     def schedule(self) -> Schedule:
         plan = Schedule()
         preempted, prefilling = self._grow_running(plan)
-        budget = self.config.max_num_batched_tokens - len(plan.decode)
+        budget = self.pacer.budget() - len(plan.decode)
         budget = self._continue_prefills(plan, prefilling, budget)
         if not preempted:
             self._swap_in()

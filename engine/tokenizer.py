@@ -80,6 +80,10 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def save(self, path: str) -> None:
+        """Write it as a tokenizer.json (what transformers' AutoTokenizer reads)."""
+        self._tok.save(path)
+
 
 def load_tokenizer(spec: str | None, config: ModelConfig) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a model spec: a GGUF file's (a shipped name such as 'smollm2' or a .gguf

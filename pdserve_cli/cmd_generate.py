@@ -13,6 +13,7 @@ import sys
 NAME = "generate"
 GROUP = None
 HELP = "generate a completion in-process (--local) or through a running coordinator (--url)"
+LOCAL_DEFAULT_MODEL = "smollm2"  # the same default as serve, up and demo
 
 
 def add_arguments(p) -> None:
@@ -21,9 +22,10 @@ def add_arguments(p) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the engine in this process (default)")
     where.add_argument("--url", help="base URL of a running coordinator, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="with --local: 'tiny' (default: random test model), 'smollm2' "
-                   "(SmolLM2-135M-Instruct), a Llama-family .gguf file or a Hugging Face checkpoint "
-                   "directory; with --url: the served model's name (default: the server's)")
+    p.add_argument("--model", help="with --local: 'smollm2' (default: SmolLM2-135M-Instruct), 'tiny' "
+                   "(a random test model), a Llama-family .gguf file or a Hugging Face checkpoint "
+                   "directory (`pdserve models` lists where each is); with --url: the served model's "
+                   "name (default: the server's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -88,7 +90,8 @@ def _local(args, ids: list[int] | None) -> dict:
     from engine.engine import EngineConfig, LLMEngine
 
     params = _params(args)
-    config = EngineConfig(model=args.model or "tiny", device=args.device, block_size=args.block_size)
+    config = EngineConfig(model=args.model or LOCAL_DEFAULT_MODEL, device=args.device,
+                          block_size=args.block_size)
     engine = LLMEngine(config)
     if ids is None:
         ids = engine.tokenizer.encode(args.prompt)

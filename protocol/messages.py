@@ -235,3 +235,21 @@ class WorkerReport:
     stats: dict[str, int | float | str | bool | None]
     holdings: dict[str, int]
     events: list[Tokens | Migrated | Imported | ImportRefused | RequestFailed]
+
+
+@message
+@dataclass(frozen=True)
+class Heartbeat:
+    """From a worker's heartbeat thread, not its engine loop, every heartbeat period: the process
+    is alive, and how far its loop is, so a coordinator tells a long step from a wedged loop.
+
+    busy_s: how long the loop's current iteration has been running (a long engine step, or a loop
+    stuck somewhere); step_tokens: tokens of the engine step in progress (0: not in a step);
+    step_expected_s: what that step should take at the step rate this worker measured (0: unknown);
+    loop_alive: False once the loop thread has ended."""
+
+    worker: str
+    loop_alive: bool
+    busy_s: float
+    step_tokens: int
+    step_expected_s: float

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from protocol.codec import ProtocolError, decode, encode
 from protocol.messages import Describe, InjectFault, Reply, WorkerInfo, WorkerReport
 from protocol.queues import PushQueue
+from runtime.heartbeat import HeartbeatThread
 from runtime.loop import LoopConfig, WorkerLoop
 
 QUEUE = "queue"  # accept(): run it on the loop, reply at once
@@ -84,6 +85,7 @@ class WorkerActor:
         self.loop = WorkerLoop(loop_config, self.handler, self._emit)
         if hasattr(self.handler, "attach"):  # a role with threads of its own posts their results here
             self.handler.attach(self.loop.send)
+        self._heartbeat = HeartbeatThread(c.name, c.events_address, c.heartbeat_s, self.loop.progress, c.keys)
 
     def make_handler(self, config, engine):
         raise NotImplementedError
@@ -148,6 +150,7 @@ class WorkerActor:
         self._answer(InjectFault(kind, count))
 
     def shutdown(self) -> None:
+        self._heartbeat.stop()
         self.loop.shutdown()
         self._events.close()
 

@@ -1,5 +1,6 @@
-"""The one engine loop every worker role runs: a thread, a command queue, a heartbeat, stats
-snapshots, fault hooks and shutdown.
+"""The one engine loop every worker role runs: a thread, a command queue, periodic reports, stats
+snapshots, fault hooks and shutdown. Liveness is not the loop's job: a separate heartbeat thread
+(runtime.heartbeat) reads `progress()`, so a long engine step never looks like a dead worker.
 
 The loop thread owns the engine (every engine and pool call happens on it). Each iteration it
 lets the role handler wait for work (by default: on the command queue; the decode role polls its
@@ -61,6 +62,7 @@ class WorkerLoop:
         self._stop = threading.Event()
         self.failed: str | None = None
         self._last_emit = 0.0
+        self._iteration_start = time.monotonic()  # read by the heartbeat thread (progress)
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{config.name}-loop", daemon=True)
         self._thread.start()
@@ -85,6 +87,15 @@ class WorkerLoop:
 
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failed is None
+
+    def progress(self) -> dict:
+        """How far the loop is, read from any thread (the fields of protocol.messages.Heartbeat)."""
+        engine = self.handler.engine
+        step = engine.current_step  # (start, tokens) of the forward in progress, or None
+        tokens = step[1] if step else 0
+        expected = engine.scheduler.pacer.expected_s(tokens) if tokens else None
+        return {"loop_alive": self.alive(), "busy_s": max(0.0, time.monotonic() - self._iteration_start),
+                "step_tokens": tokens, "step_expected_s": expected or 0.0}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -119,6 +130,7 @@ class WorkerLoop:
         after = getattr(handler, "after_step", None)
         try:
             while not self._stop.is_set():
+                self._iteration_start = time.monotonic()
                 events: list = []
                 busy = handler.engine.has_work()
                 if wait is not None:  # e.g. the decode role's KV receiver
@@ -162,4 +174,4 @@ class WorkerLoop:
                 **e.kv.usage(), "queue_depth": len(e.scheduler.waiting), "running": len(e.scheduler.running),
                 "swapped": len(e.scheduler.swapped), "preemptions": e.scheduler.preemptions,
                 "active_requests": len(e.requests), "steps": e.steps, "failed": self.failed,
-                **self.handler.stats()}
+                **e.scheduler.pacer.summary(), **self.handler.stats()}

@@ -1,4 +1,5 @@
-"""`pdserve generate --local`: the JSON body, stop strings, and one-line errors for bad arguments."""
+"""`pdserve generate --local`: the JSON body, stop strings, and one-line errors for bad arguments
+(on the random `tiny` model, named explicitly: the command's default is SmolLM2, like `serve`)."""
 
 import json
 import subprocess
@@ -10,7 +11,7 @@ from pdserve_cli.main import main
 
 
 def _run(capsys, *argv):
-    code = main(["generate", "--local", *argv])
+    code = main(["generate", "--local", *([] if "--model" in argv else ["--model", "tiny"]), *argv])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -66,8 +67,8 @@ def test_bad_arguments_exit_nonzero_with_one_line(capsys, argv, message):
 
 
 def test_console_script_runs():
-    r = subprocess.run([sys.executable, "-m", "pdserve_cli.main", "generate", "--local", "--prompt-ids",
-                        "256,1,2", "--max-tokens", "3", "--json"],
+    r = subprocess.run([sys.executable, "-m", "pdserve_cli.main", "generate", "--local", "--model", "tiny",
+                        "--prompt-ids", "256,1,2", "--max-tokens", "3", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["choices"][0]["token_ids"]) >= 1

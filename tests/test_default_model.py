@@ -51,7 +51,8 @@ def test_cli_defaults():
     assert _defaults(cmd_serve_local).model == "smollm2"
     assert _defaults(cmd_demo).model == "smollm2"
     assert cmd_up.DEFAULTS["model"] == "smollm2"
-    assert _defaults(cmd_generate).model is None  # --local runs tiny; --url asks for the server's model
+    assert _defaults(cmd_generate).model is None  # --local runs smollm2; --url asks for the server's model
+    assert cmd_generate.LOCAL_DEFAULT_MODEL == "smollm2"
 
 
 @pytest.mark.parametrize("command", ["serve", "up"])

@@ -1,6 +1,7 @@
 """An in-process worker actor body (no Ray) with a real ZeroMQ PULL socket standing in for the
 coordinator: `in_process(WorkerClass, config)` yields the worker and a `Reports` reader that
-collects its `WorkerReport`s (events and the latest stats) until a condition holds, bounded."""
+collects its `WorkerReport`s (events and the latest stats) and `Heartbeat`s until a condition
+holds, bounded."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import time
 import zmq
 
 from protocol.codec import decode
+from protocol.messages import Heartbeat
 
 
 class Reports:
     def __init__(self, pull):
-        self.pull, self.events, self.stats = pull, [], {}
+        self.pull, self.events, self.stats, self.heartbeats = pull, [], {}, []
 
     def until(self, condition, deadline_s: float = 20.0) -> list:
         """Read reports until condition() holds (AssertionError with what was seen if it never does)."""
@@ -22,6 +24,9 @@ class Reports:
         while time.monotonic() < end and not condition():
             if self.pull.poll(100):
                 report = decode(self.pull.recv())
+                if isinstance(report, Heartbeat):  # from the worker's heartbeat thread
+                    self.heartbeats.append(report)
+                    continue
                 self.events.extend(report.events)
                 self.stats.update(report.stats)
         assert condition(), (self.events, self.stats)
