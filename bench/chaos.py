@@ -30,6 +30,7 @@ import numpy as np
 
 from bench.chaos_client import ChaosRequest, classify, send
 from bench.chaos_faults import BY_NAME, CORRUPTIONS, FAULTS, Target, cluster_info, live
+from bench.chaos_hostile import hostile_summary
 from bench.chaos_report import totals
 
 
@@ -71,7 +72,7 @@ class ChaosConfig:
             raise ValueError("chaos needs >= 2 decode workers (a killed one's requests move to another)")
 
 
-QUICK = ChaosConfig(requests_per_fault=20, fault_count=3)  # 16 faults x 20 = 320 requests, plus probes
+QUICK = ChaosConfig(requests_per_fault=20, fault_count=3)  # 17 faults x 20 = 340 requests, plus probes
 PROBES = 16  # probe requests prepared per phase (reused cyclically)
 
 
@@ -246,7 +247,8 @@ def run_chaos(cfg: ChaosConfig, log=_log) -> dict:
             port = srv.start(timeout=cfg.start_timeout_s)
             log(f"chaos: cluster up on port {port} ({cfg.prefill} prefill + {cfg.decode} decode, "
                 f"{cfg.transport}); {len(cfg.faults)} faults x {cfg.requests_per_fault} requests")
-            target = Target(srv, port, engine.storage.layout.fingerprint(), cfg.fault_count, log)
+            target = Target(srv, port, engine.storage.layout.fingerprint(), cfg.fault_count, log,
+                            settle_s=cfg.heartbeat_timeout_s + 1.5)
             for phase, name in enumerate(cfg.faults):
                 fault = BY_NAME[name]
                 load, probes = make_phase(fault, cfg, phase)
@@ -260,19 +262,26 @@ def run_chaos(cfg: ChaosConfig, log=_log) -> dict:
     finally:
         stop_ray(started)
     return {"config": {**asdict(cfg), "faults": list(cfg.faults), "model": "tiny"},
-            "duration_s": round(time.monotonic() - t_start, 1), "faults": entries, "totals": totals(entries)}
+            "duration_s": round(time.monotonic() - t_start, 1), "faults": entries, "totals": totals(entries),
+            "hostile": hostile_summary(entries)}
 
 
 def _summary(e: dict) -> str:
     rec = "-" if e["recovery_s"] is None else f"{e['recovery_s']:.2f} s"
     flips = f", corruptions {e['corruptions_injected']}/{e['corruptions_detected']}" \
         if e["fault"] in CORRUPTIONS or e["corruptions_detected"] else ""
+    hostile = e["detail"].get("hostile")
+    tail = "" if hostile is None else (
+        f"; hostile: {hostile['failures']} failures, restarted {hostile['workers_restarted']}, "
+        f"empty slots {hostile['empty_slots']}, http {hostile['http']}")
     return (f"{e['requests']} requests: {e['correct']} correct, {e['failed_clean']} failed clean, "
-            f"{e['wrong']} wrong; leaked {e['leaked_blocks']}{flips}; recovery {rec}")
+            f"{e['wrong']} wrong; leaked {e['leaked_blocks']}{flips}; recovery {rec}{tail}")
 
 
 def passed(report: dict) -> bool:
-    """The issue's done criteria: no wrong answer, no leak, every corruption detected, no false positive."""
-    t = report["totals"]
+    """The issue's done criteria: no wrong answer, no leak, every corruption detected, no false
+    positive, and hostile input (when that phase ran) cost no 5xx, no worker and no slot."""
+    t, hostile = report["totals"], report.get("hostile")
     return (t["wrong"] == 0 and t["leaked_blocks"] == 0 and t["false_positives"] == 0
-            and t["corruptions_injected"] == t["corruptions_detected"])
+            and t["corruptions_injected"] == t["corruptions_detected"]
+            and (hostile is None or hostile["failures"] == 0))

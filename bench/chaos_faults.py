@@ -10,7 +10,8 @@ are delayed by 0.2 s so the window is wide enough to hit), or with sequences dec
 Transfer faults arm the prefill workers' senders (`InjectFault`) so their next migrations each
 suffer one. The forged event is a worker report pushed from a socket without the cluster's CURVE
 keys; the forged import is a KV sender without the cluster secret, first handshaking and then
-skipping the handshake and sending a manifest with payload anyway. Each injector returns a detail
+skipping the handshake and sending a manifest with payload anyway. Hostile input (bad HTTP fields,
+forged KV handshakes) is bench.chaos_hostile's. Each injector returns a detail
 dict; `breaches` in it counts what the cluster accepted from a forger (each one is a wrong answer).
 """
 
@@ -23,6 +24,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from bench.chaos_hostile import hostile_input
 from protocol.messages import TRANSFER_FAULTS, InjectFault
 
 CORRUPTIONS = ("flip_payload", "flip_manifest")
@@ -38,6 +40,7 @@ class Target:
     fingerprint: dict
     fault_count: int = 3
     log: object = print
+    settle_s: float = 5.0  # how long a death takes to be noticed (the heartbeat timeout and a bit)
 
 
 def cluster_info(port: int) -> dict:
@@ -218,5 +221,6 @@ FAULTS = [
     *(Fault(kind, transfer_fault(kind), prompt_len=(64, 400)) for kind in TRANSFER_FAULTS),
     Fault("forged_event", forged_event),
     Fault("forged_import", forged_import),
+    Fault("hostile_input", hostile_input),
 ]
 BY_NAME = {f.name: f for f in FAULTS}

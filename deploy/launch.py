@@ -2,7 +2,9 @@
 worker actors (through `ClusterBackend`) and the HTTP API, and shutting down exactly what was
 started.
 
-`start_ray` / `stop_ray` bracket Ray itself (stop only shuts down a Ray we started).
+`start_ray` / `stop_ray` bracket Ray itself (stop only shuts down a Ray we started). The local
+embedded Ray listens on loopback only and both it and a joined cluster use Ray's token
+authentication by default (deploy.ray_guard says how, and how the token is provided).
 `serve_cluster` is the coroutine `pdserve up` runs until cancelled; `ClusterServer` runs the
 same thing on a background thread with its own event loop, for tests and the demo.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -22,24 +25,40 @@ log = logging.getLogger(__name__)
 class RayConfig:
     """address: an existing Ray cluster ('auto' or 'HOST:PORT'); None starts a local embedded one.
     num_cpus: CPUs the local Ray offers (workers reserve fractions of one each).
-    log_to_driver: show worker logs in this process."""
+    log_to_driver: show worker logs in this process.
+    auth: Ray's token authentication, 'token' or 'disabled', unless $RAY_AUTH_MODE says otherwise."""
 
     address: str | None = None
     num_cpus: int = 2
     log_to_driver: bool = False
+    auth: str = "token"
+
+
+_session = contextlib.ExitStack()  # what start_ray set (RAY_AUTH_MODE) until stop_ray undoes it
 
 
 def start_ray(config: RayConfig = RayConfig()) -> bool:
-    """Initialise Ray unless it already is; True when this call started (or joined) it."""
+    """Initialise Ray unless it already is; True when this call started (or joined) it.
+    Raises RuntimeError (no token to join with) or ValueError (a bad RAY_AUTH_MODE)."""
     import ray
+
+    from deploy import ray_guard
 
     if ray.is_initialized():
         return False
-    if config.address:
-        ray.init(address=config.address, log_to_driver=config.log_to_driver)
-    else:  # NOTE: address="local" starts a new instance, never joins another (or a dead) session
-        ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
-                 log_to_driver=config.log_to_driver)
+    mode = ray_guard.auth_mode(config.auth)
+    if config.address and mode == "token":
+        ray_guard.require_token(config.address)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ray_guard.auth_env(mode))
+        if config.address:
+            ray.init(address=config.address, log_to_driver=config.log_to_driver)
+        else:  # NOTE: address="local" starts a new instance, never joins another (or a dead) session
+            with ray_guard.loopback_node():
+                ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
+                         log_to_driver=config.log_to_driver)
+            ray_guard.check_loopback()
+        _session.push(stack.pop_all())
     return True
 
 
@@ -48,6 +67,8 @@ def stop_ray(started: bool) -> None:
 
     if started and ray.is_initialized():
         ray.shutdown()
+    if started:
+        _session.close()
 
 
 async def serve_cluster(cluster_config, host: str = "127.0.0.1", port: int = 8000, ready=None,

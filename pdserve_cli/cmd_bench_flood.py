@@ -42,12 +42,11 @@ def run(args) -> int:
     url = args.url
     if url is None:
         key = key or secrets.token_hex(8)
-        up_args = ["--model", args.model, "--prefill", "1", "--decode", "1", "--api-key", key, "--port", "0"]
+        up_args = ["--model", args.model, "--prefill", "1", "--decode", "1", "--port", "0"]
         if args.num_blocks:
             up_args += ["--num-blocks", str(args.num_blocks)]
-        print("bench flood: launching pdserve up " + " ".join(a if a != key else "<key>" for a in up_args),
-              flush=True)
-        up = Up(up_args)
+        print("bench flood: launching PDSERVE_API_KEY=<key> pdserve up " + " ".join(up_args), flush=True)
+        up = Up(up_args, env={"PDSERVE_API_KEY": key})  # NOTE: never on a command line (ps shows it)
         url = up.url
     elif not key:
         print("--url needs --api-key (the check starts with requests without it)")

@@ -8,8 +8,9 @@ joins). Bad arguments or a busy port exit with status 2 and a one-line message.
 
 from __future__ import annotations
 
-import os
 import sys
+
+from pdserve_cli import api_key as api_key_args
 
 NAME = "serve"
 GROUP = None
@@ -26,9 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                        "$PDSERVE_API_KEY; none: no auth)")
+    api_key_args.add_arguments(p)
 
 
 def _fail(msg: str) -> int:
@@ -43,14 +42,17 @@ def run(args) -> int:
     from coordinator.backend import LocalBackendConfig, LocalEngineBackend
     from coordinator.http import HTTPConfig, make_app, serve
     from engine.engine import EngineConfig
+    from engine.scheduler import SchedulerConfig
 
     try:
+        api_key = api_key_args.resolve(args)
+        # steps paced to ~0.25 s (engine.step_pacer): a burst of long prompts cannot stall decoding
         cfg = EngineConfig(model=args.model, device=args.device, block_size=args.block_size,
-                           num_blocks=args.num_blocks)
+                           num_blocks=args.num_blocks, scheduler=SchedulerConfig(step_target_s=0.25))
         backend = LocalEngineBackend(cfg, config=LocalBackendConfig(name=args.served_model_name))
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0])
-    app = make_app(backend, HTTPConfig(host=args.host, port=args.port, api_key=args.api_key))
+    app = make_app(backend, HTTPConfig(host=args.host, port=args.port, api_key=api_key))
 
     def ready(port: int) -> None:
         print(f"pdserve serve: model {backend.name!r} on http://{args.host}:{port}/v1 "

@@ -15,6 +15,8 @@ import argparse
 import os
 import sys
 
+from pdserve_cli import api_key as api_key_args
+
 NAME = "up"
 GROUP = None
 HELP = "run the prefill/decode cluster on Ray behind the OpenAI-compatible HTTP API"
@@ -57,9 +59,7 @@ def add_arguments(p) -> None:
     p.add_argument("--address", help="join this Ray cluster ('auto' or HOST:PORT) instead of starting a "
                    "local one")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default 2; ignored with --address)")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                        "$PDSERVE_API_KEY; none: no auth)")
+    api_key_args.add_arguments(p)
     p.add_argument("--max-active", type=int, help="completion requests in flight before new ones get 429 "
                    "with Retry-After (default 256)")
     p.add_argument("--max-waiting", type=int, help="requests waiting for decode room before new ones get "
@@ -102,7 +102,6 @@ def _fail(msg: str) -> int:
 
 def run(args) -> int:
     import asyncio
-    import os
     import signal
 
     from coordinator.cluster import ClusterConfig
@@ -111,7 +110,7 @@ def run(args) -> int:
     from engine.gguf import is_gguf_spec, resolve_model_spec
 
     try:
-        device, api_key = getattr(args, "device", None), getattr(args, "api_key", None)
+        device, api_key = getattr(args, "device", None), api_key_args.resolve(args)
         args, extras = _settings(args)
         http_extras = {k: extras.pop(k) for k in HTTP_KEYS if k in extras}
         if device:  # the flag wins over the config file's engine.device
@@ -152,7 +151,10 @@ def run(args) -> int:
         except asyncio.CancelledError:
             pass
 
-    started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
+    try:
+        started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
+    except (RuntimeError, ValueError, ConnectionError) as e:
+        return _fail(f"cannot start Ray: {str(e).splitlines()[0]}")
     try:
         cfg = ClusterConfig(prefill=args.prefill, decode=args.decode, transport=args.transport,
                             model=args.model, block_size=args.block_size,

@@ -56,3 +56,22 @@ def test_small_chaos_run(ray_local, tmp_path):
     assert set(report["totals"]) == set(KEYS)
     assert report["totals"]["wrong"] == 0 and report["totals"]["leaked_blocks"] == 0
     assert rc == 0
+
+
+def test_hostile_input_under_load_costs_no_worker(ray_local, tmp_path):
+    """Issue 28's hostile phase: bad HTTP fields and forged KV handshakes under load. Each HTTP kind
+    gets 4xx (never 5xx, never silence), every worker keeps its name and pid, no slot is empty."""
+    from bench.chaos_hostile import HTTP_KINDS, KV_KINDS
+
+    out = tmp_path / "hostile.json"
+    rc = main(["bench", "chaos", "--faults", "hostile_input", "--requests-per-fault", "8",
+               "--concurrency", "4", "--json", str(out)])
+    report = json.loads(out.read_text())
+    hostile = report["hostile"]
+    assert set(hostile["http"]) == set(HTTP_KINDS) and set(hostile["kv"]) == set(KV_KINDS)
+    assert all(sum(c.values()) > 0 for c in hostile["http"].values())
+    assert report["totals"]["wrong"] == 0 and report["totals"]["leaked_blocks"] == 0, report["totals"]
+    assert {k: c for k, c in hostile["http"].items() if c["5xx"] or c["no_response"]} == {}
+    assert hostile["workers_restarted"] == [] and hostile["empty_slots"] == 0
+    assert hostile["health_after"] == 200 and hostile["failures"] == 0
+    assert rc == 0

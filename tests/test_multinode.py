@@ -33,21 +33,37 @@ GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def nodes(tmp_path_factory):
+    """Three nodes with Ray's token auth on, as the README says to start them; the token file is
+    handed to every node, to this driver and to `pdserve up` through RAY_AUTH_TOKEN_PATH."""
     from ray.cluster_utils import Cluster
+
+    from deploy.ray_guard import auth_env
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already initialised in this process")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"prefill_node": 1})
-    cluster.add_node(num_cpus=1, resources={"decode_node": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    token = tmp_path_factory.mktemp("ray-auth") / "auth_token"
+    token.write_text(os.urandom(16).hex())
+    saved = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     try:
-        yield cluster
+        with auth_env("token"):
+            head = {"num_cpus": 1, "include_dashboard": False}
+            cluster = Cluster(initialize_head=True, head_node_args=head)
+            cluster.add_node(num_cpus=1, resources={"prefill_node": 1})
+            cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            try:
+                yield cluster
+            finally:
+                ray.shutdown()
+                cluster.shutdown()
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN_PATH"] = saved
 
 
 def _up(address: str, transport: str):
