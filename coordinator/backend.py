@@ -8,9 +8,10 @@ with the same methods and attributes):
     vocab_size: int               prompt ids must be below it
     async def submit(creq)        an async iterator of events for one CompletionRequest (its
                                   prompt_ids filled): TokenEvent(index, token_ids,
-                                  finish_reason) per choice and batch, finish_reason set on
-                                  each choice's last one, then one FinalEvent(prompt_tokens,
-                                  info). It raises protocol.APIError subclasses (InvalidRequest,
+                                  finish_reason, logprobs) per choice and batch, finish_reason
+                                  set on each choice's last one, then one
+                                  FinalEvent(prompt_tokens, info, cached_tokens). It raises
+                                  protocol.APIError subclasses (InvalidRequest,
                                   ServiceUnavailable("no live prefill worker"), ...), before
                                   the first event where it can. Closing the iterator early
                                   (client gone, stop string found upstream) must abort the
@@ -49,15 +50,17 @@ class TokenEvent:
     index: int
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    logprobs: tuple = ()  # protocol.messages.TokenLogprobs per token, when the request asked
 
 
 @dataclass(frozen=True)
 class FinalEvent:
     """The request is done on the backend. info: backend facts for the client (worker,
-    preemptions, migration...), JSON-safe."""
+    preemptions, migration...), JSON-safe. cached_tokens: prompt tokens the prefix cache gave."""
 
     prompt_tokens: int
     info: dict
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, prompt_tokens: int):
         self.loop, self.q = loop, asyncio.Queue()
         self.remaining, self.prompt_tokens, self.preemptions = n, prompt_tokens, 0
+        self.cached_tokens: int | None = None
 
     def put(self, item) -> bool:
         try:
@@ -193,7 +197,10 @@ class LocalEngineBackend:
                 sink.put(InvalidRequest(event.message, param="prompt"))
                 continue
             batch = batches.setdefault(event.request_id, [])
-            batch.append(TokenEvent(event.index, tuple(event.token_ids), event.finish_reason))
+            batch.append(TokenEvent(event.index, tuple(event.token_ids), event.finish_reason,
+                                    tuple(event.logprobs)))
+            if sink.cached_tokens is None and event.cached_tokens is not None:
+                sink.cached_tokens = event.cached_tokens
             if event.finish_reason is not None:
                 sink.remaining -= 1
                 sink.preemptions = max(sink.preemptions, event.preemptions)
@@ -202,7 +209,7 @@ class LocalEngineBackend:
             if sink is not None and sink.remaining <= 0:
                 del self._sinks[rid]
                 info = {"worker": WORKER, "preemptions": sink.preemptions}
-                batch.append(FinalEvent(sink.prompt_tokens, info))
+                batch.append(FinalEvent(sink.prompt_tokens, info, sink.cached_tokens or 0))
             if sink is not None and not sink.put(batch):
                 self._sinks.pop(rid, None)
                 self._loop.send(Abort(rid))

@@ -6,8 +6,8 @@ content a string or a list of text parts), renders them with the model's chat te
 plus every other field to the completions parser, so both routes share one set of sampling
 fields and bounds; the result is a `CompletionRequest` (id "chatcmpl-...") whose prompt is
 encoded without extra special tokens, since the template writes them. Chat-only fields
-(`max_completion_tokens`; `tools`, `response_format`, `logprobs`... only at their no-op
-values) are handled here. A model without a chat template gets InvalidRequest (400) saying so.
+(`max_completion_tokens`, `logprobs` + `top_logprobs`; `tools`, `response_format`... only at
+their no-op values) are handled here. A model without a chat template gets InvalidRequest (400) saying so.
 `CHAT` is the response format: `chat.completion` with `message`, `chat.completion.chunk` with
 `delta` (the first chunk of each choice carries the role). Nothing here imports torch.
 """
@@ -18,14 +18,16 @@ import uuid
 from dataclasses import replace
 
 from coordinator.completion import ResponseFormat
+from coordinator.fields import bool_field, int_field
+from coordinator.logprobs import chat_logprobs
 from coordinator.protocol import CompletionRequest, InvalidRequest, json_object, parse_completion_request
 from engine.chat_template import ChatTemplateError
-from protocol.sampling import MAX_N
+from protocol.sampling import MAX_LOGPROBS, MAX_N
 
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = {"role", "content", "name"}
 # Chat-only fields accepted only at a value that changes nothing.
-_CHAT_NOOP = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+_CHAT_NOOP = {"tools": (None, []),
               "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
               "functions": (None, []), "function_call": (None, "none", "auto"),
               "response_format": (None, {"type": "text"})}
@@ -87,7 +89,8 @@ def parse_chat_request(raw: bytes | str | dict, template, *, max_n: int = MAX_N,
     if refused:
         raise InvalidRequest(f"unsupported field(s): {', '.join(refused)}", param=refused[0])
     messages = parse_messages(body.get("messages"))
-    chat_only = {*_CHAT_NOOP, "messages", "max_completion_tokens"}
+    logprobs = _logprobs(body)
+    chat_only = {*_CHAT_NOOP, "messages", "max_completion_tokens", "logprobs", "top_logprobs"}
     rest = {k: v for k, v in body.items() if k not in chat_only}
     limit = body.get("max_completion_tokens")
     if limit is not None:
@@ -105,20 +108,31 @@ def parse_chat_request(raw: bytes | str | dict, template, *, max_n: int = MAX_N,
         raise InvalidRequest(f"the chat template refused the messages: {e}", param="messages") from None
     creq = parse_completion_request({**rest, "prompt": prompt}, max_n=max_n,
                                     request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}")
-    return replace(creq, add_special_tokens=False)
+    return replace(creq, add_special_tokens=False, logprobs=logprobs)
 
 
-def _choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+def _logprobs(body: dict) -> int | None:
+    """Chat's `logprobs: true` (+ `top_logprobs: N`) as the number of top alternatives per token."""
+    wanted = bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
+            logprobs: dict | None = None) -> dict:
     return {"index": index, "message": {"role": "assistant", "content": text}, "token_ids": token_ids,
-            "finish_reason": finish_reason, "logprobs": None}
+            "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def _chunk_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
-                  first: bool) -> dict:
-    delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-    return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": None,
+                  first: bool, logprobs: dict | None = None) -> dict:
+    # NOTE: "content" always present (maybe ""): some clients index delta["content"] unconditionally
+    delta = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
 CHAT = ResponseFormat(object="chat.completion", chunk_object="chat.completion.chunk",
-                      choice=_choice, chunk_choice=_chunk_choice)
+                      choice=_choice, chunk_choice=_chunk_choice, logprobs=chat_logprobs)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from coordinator.backend import FinalEvent, TokenEvent
 from coordinator.bounded import bounded
 from coordinator.detokenize import Detokenizer
+from coordinator.logprobs import text_logprobs
 from coordinator.metrics import Metrics
 from coordinator.protocol import APIError, InternalError, Timeout
 
@@ -25,6 +26,8 @@ class Choice:
     detok: Detokenizer
     ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprobs (or None) per id, when asked
+    text_offset: int = 0                           # where the next token's logprobs text starts
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: dict | None = None  # this delta's tokens in the route's logprobs shape, when asked
 
 
 @dataclass(frozen=True)
@@ -40,36 +44,45 @@ class ResponseFormat:
     """How one route writes its answer.
 
     object: the whole response's `object` field; chunk_object: each streamed chunk's.
-    choice(index, text, token_ids, finish_reason) -> one choice of the whole response.
-    chunk_choice(index, text, token_ids, finish_reason, first) -> one streamed choice; `first`
-        is true on the first chunk of that choice.
+    choice(index, text, token_ids, finish_reason, logprobs) -> one choice of the whole response.
+    chunk_choice(index, text, token_ids, finish_reason, first, logprobs) -> one streamed choice;
+        `first` is true on the first chunk of that choice.
+    logprobs(tokenizer, token_ids, entries, offset) -> (logprobs object, offset after them)
+        (coordinator.logprobs).
     """
 
     object: str
     chunk_object: str
-    choice: Callable[[int, str, list[int], str | None], dict]
-    chunk_choice: Callable[[int, str, list[int], str | None, bool], dict]
+    choice: Callable[[int, str, list[int], str | None, dict | None], dict]
+    chunk_choice: Callable[[int, str, list[int], str | None, bool, dict | None], dict]
+    logprobs: Callable[[object, list[int], list, int], tuple[dict, int]] = text_logprobs
 
 
 def _text_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
-                 first: bool = False) -> dict:
-    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+                 logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
+def _text_chunk_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                       first: bool, logprobs: dict | None = None) -> dict:
+    return _text_choice(index, text, token_ids, finish_reason, logprobs)
+
+
 TEXT = ResponseFormat(object="text_completion", chunk_object="text_completion", choice=_text_choice,
-                      chunk_choice=_text_choice)
+                      chunk_choice=_text_chunk_choice)
 
 
 class CompletionRun:
     """One admitted request: pulls backend events, turns them into per-choice deltas, keeps time."""
 
-    def __init__(self, backend, config, metrics: Metrics, creq):
+    def __init__(self, backend, config, metrics: Metrics, creq, shape: ResponseFormat = TEXT):
         self.backend, self.cfg, self.metrics = backend, config, metrics
-        self.creq = creq
+        self.creq, self.shape = creq, shape
         self.t0 = time.monotonic()
         self.t_first: float | None = None
-        self.choices = [Choice(Detokenizer(self.backend.tokenizer, creq.stop)) for _ in range(creq.n)]
+        tokenizer = self.backend.tokenizer
+        self.choices = [Choice(Detokenizer(tokenizer, creq.stop, creq.min_tokens)) for _ in range(creq.n)]
         self.final: FinalEvent | None = None
         self.error: APIError | None = None  # a failure already reported inside a started stream
 
@@ -109,6 +122,12 @@ class CompletionRun:
         taken = c.detok.push(event.token_ids)
         new_ids = list(event.token_ids[:taken])
         c.ids += new_ids
+        logprobs = None
+        if self.creq.logprobs is not None:  # one entry per id, cut where the ids are cut
+            entries = list(event.logprobs[:taken]) + [None] * (taken - len(event.logprobs[:taken]))
+            c.logprobs += entries
+            logprobs, c.text_offset = self.shape.logprobs(self.backend.tokenizer, new_ids, entries,
+                                                          c.text_offset)
         if c.detok.stopped:
             c.finish_reason = "stop"
         elif event.finish_reason is not None:
@@ -117,12 +136,23 @@ class CompletionRun:
         text = c.detok.take(final=c.finish_reason is not None)
         if not text and not new_ids and c.finish_reason is None:
             return None
-        return Delta(event.index, text, new_ids, c.finish_reason)
+        return Delta(event.index, text, new_ids, c.finish_reason, logprobs)
+
+    def choice_logprobs(self, i: int) -> dict | None:
+        """Choice i's logprobs object for the whole response (None unless asked)."""
+        if self.creq.logprobs is None:
+            return None
+        c = self.choices[i]
+        return self.shape.logprobs(self.backend.tokenizer, c.ids, c.logprobs, 0)[0]
 
     def usage(self) -> dict:
         completion = sum(len(c.ids) for c in self.choices)
         prompt = len(self.creq.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion}
+        if self.final is not None:  # known once the backend is done
+            usage["prompt_tokens_details"] = {"cached_tokens": self.final.cached_tokens}
+        return usage
 
     def timing(self) -> dict:
         """Latencies (ms) plus the backend's info, for the response's `pdserve` extension."""

@@ -8,7 +8,8 @@ left is flushed as the tokenizer renders it). Stop strings are searched in the e
 the first match cuts the text before the stop string, and `push` reports how many of the
 offered tokens it took, so the caller trims the token ids to the token that completed the
 stop string: the same cut the engine makes (it checks the decoded output after every token).
-While a stop string could still be forming, its last len(stop)-1 characters are held back
+Before `min_tokens` tokens no stop string counts (vLLM's rule, the engine's too). While a stop
+string could still be forming, its last len(stop)-1 characters are held back
 from streaming, so streamed deltas never need retracting. The concatenated deltas equal the
 final `text` by construction, so streaming and non-streaming answers agree exactly.
 """
@@ -21,9 +22,10 @@ REPLACEMENT = "\ufffd"
 class Detokenizer:
     """One choice's text. tokenizer: anything with decode(ids) -> str."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.tok = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens  # stop strings count only from this many tokens on (as the engine)
         self.ids: list[int] = []
         self.text = ""            # settled text (cut before the stop string once one matched)
         self.stopped = False      # a stop string matched; later tokens are refused
@@ -64,6 +66,8 @@ class Detokenizer:
         self._check_stop(max(0, old - self._hold))
 
     def _check_stop(self, start: int) -> None:
+        if len(self.ids) < self.min_tokens:
+            return
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i != -1]
         if hits:
             self.text = self.text[:min(hits)]

@@ -31,12 +31,25 @@ class Overloaded(APIError):
 OPEN_PATHS = ("/health",)
 
 
-def check_api_key(api_key: str | None, path: str, authorization: str | None) -> None:
-    """Raise Unauthorized unless the route is open or the bearer token is the key."""
+def authorization_bytes(raw_headers) -> bytes | None:
+    """The `Authorization` header's value as the client sent its bytes (aiohttp's raw_headers):
+    never decoded, so bytes that are not UTF-8 are just a wrong key, not an error."""
+    for name, value in raw_headers:
+        if name.lower() == b"authorization":
+            return value
+    return None
+
+
+def check_api_key(api_key: str | None, path: str, authorization: bytes | str | None) -> None:
+    """Raise Unauthorized unless the route is open or the bearer token is the key (compared as
+    bytes, in constant time)."""
     if not api_key or path in OPEN_PATHS:
         return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    if isinstance(authorization, str):  # a decoded header: back to its bytes, whatever they were
+        authorization = authorization.encode("utf-8", "surrogateescape")
+    scheme, _, token = (authorization or b"").partition(b" ")
+    key = api_key.encode("utf-8", "surrogateescape")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key):
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 

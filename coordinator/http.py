@@ -29,7 +29,8 @@ from aiohttp import web
 from coordinator.bounded import bounded
 from coordinator.chat import CHAT, parse_chat_request
 from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
-from coordinator.guard import Admission, check_api_key
+from coordinator.connections import BoundedSite
+from coordinator.guard import Admission, authorization_bytes, check_api_key
 from coordinator.metrics import CONTENT_TYPE, Metrics
 from coordinator.protocol import (
     APIError,
@@ -53,6 +54,9 @@ class HTTPConfig:
     api_key: str | None = None     # bearer token every route but /health requires (None: no auth)
     max_active: int = 256          # completion requests in flight; beyond, 429 with Retry-After
     read_timeout_s: float = 30.0   # longest wait for a request body (a slow client gets 408)
+    header_timeout_s: float = 15.0  # a connection must finish its request headers this soon after opening
+                                    # or after its last response (else closed; also the keep-alive bound)
+    max_connections: int = 1024    # open connections at most; one more gets 503 and is closed
     write_timeout_s: float = 30.0  # longest wait for one streamed chunk to be taken by the client
     # once every choice finished here, how long to wait for the backend's closing FinalEvent before
     # closing its stream (which aborts the backend request)
@@ -78,7 +82,7 @@ async def _errors(request: web.Request, handler):
     """Every failure leaves as the OpenAI error body."""
     metrics = request.app[METRICS]
     try:
-        check_api_key(request.app[CONFIG].api_key, request.path, request.headers.get("Authorization"))
+        check_api_key(request.app[CONFIG].api_key, request.path, authorization_bytes(request.raw_headers))
         return await handler(request)
     except APIError as e:
         metrics.count_error(e.kind)
@@ -148,7 +152,7 @@ async def _run(request: web.Request, creq, model: str, shape: ResponseFormat) ->
     app = request.app
     backend, cfg, metrics = app[BACKEND], app[CONFIG], app[METRICS]
     metrics.request_admitted(len(creq.prompt_ids))
-    run = CompletionRun(backend, cfg, metrics, creq)
+    run = CompletionRun(backend, cfg, metrics, creq, shape)
     status = "aborted"
     try:
         if creq.stream:
@@ -177,7 +181,8 @@ async def _whole(run: CompletionRun, model: str, shape: ResponseFormat) -> web.R
     texts = [""] * len(run.choices)
     async for d in run.deltas():
         texts[d.index] += d.text
-    choices = [shape.choice(i, texts[i], c.ids, c.finish_reason) for i, c in enumerate(run.choices)]
+    choices = [shape.choice(i, texts[i], c.ids, c.finish_reason, run.choice_logprobs(i))
+               for i, c in enumerate(run.choices)]
     return web.json_response({**_head(run, model, shape.object), "choices": choices, "usage": run.usage(),
                               "pdserve": run.timing()})
 
@@ -210,9 +215,11 @@ async def _stream(request: web.Request, run: CompletionRun, model: str,
         try:
             while delta is not None:
                 choice = shape.chunk_choice(delta.index, delta.text, delta.token_ids, delta.finish_reason,
-                                            delta.index not in started)
+                                            delta.index not in started, delta.logprobs)
                 started.add(delta.index)
                 chunk = {**head, "choices": [choice]}
+                if run.creq.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
+                    chunk["usage"] = run.usage()
                 if all(c.finish_reason is not None for c in run.choices):
                     last = chunk  # the final delta: held until the final event has been read
                 else:
@@ -270,10 +277,11 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
                        shutdown_timeout_s: float = 5.0) -> tuple[web.AppRunner, int]:
     """Start listening; returns the runner (call `cleanup()` to stop) and the bound port."""
+    cfg = app[CONFIG]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout_s)
+                           shutdown_timeout=shutdown_timeout_s, keepalive_timeout=cfg.header_timeout_s)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await BoundedSite(runner, host, port, max_connections=cfg.max_connections).start()
     return runner, runner.addresses[0][1]
 
 

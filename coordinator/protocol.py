@@ -2,7 +2,9 @@
 
 `parse_completion_request(raw)` turns the raw HTTP body (bytes or an already decoded dict) into
 a frozen `CompletionRequest`, checking every field's type and range and refusing fields this
-server does not implement (echo, logprobs, best_of, suffix, penalties, logit_bias) by name.
+server does not implement (echo, best_of, suffix, penalties, logit_bias) by name. Every integer
+is bounded (top_k later by the vocabulary), every string UTF-8 encodable, the body's nesting
+bounded before parsing (coordinator.fields, coordinator.edge).
 `resolve_prompt` then fixes the prompt's token ids (encoding text with the backend's tokenizer)
 and checks them against the vocabulary and the model's context. Every refusal is an `APIError`
 subclass carrying the HTTP status and the OpenAI error body
@@ -13,67 +15,38 @@ Nothing here imports the engine or touches tensors.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, replace
 
-from protocol.sampling import MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
+from coordinator.errors import (  # noqa: F401  (re-exported: the API's errors live with the protocol)
+    APIError,
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    Timeout,
+)
+from coordinator.fields import (  # noqa: F401  (json_object re-exported for coordinator.chat)
+    bool_field,
+    int_field,
+    json_object,
+    num_field,
+    prompt_field,
+    stop_field,
+    str_field,
+    token_ids_field,
+)
+from protocol.sampling import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOKENS,
+    MAX_TOP_K,
+    SamplingParams,
+)
 
 DEFAULT_MAX_TOKENS = 16
-
-# ---- errors -------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    """An error the client sees as the OpenAI error body with `status`."""
-
-    status = 500
-    type = "internal_error"
-    kind = "internal"  # the `kind` label of pdserve_errors_total
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-class InvalidRequest(APIError):
-    """400: malformed JSON, missing or out-of-range fields, prompt beyond the context."""
-
-    status, type, kind = 400, "invalid_request_error", "invalid_request"
-
-
-class ModelNotFound(APIError):
-    """404: the `model` field names no model this server serves."""
-
-    status, type, kind = 404, "invalid_request_error", "model_not_found"
-
-    def __init__(self, message: str, **kw):
-        kw.setdefault("param", "model")
-        kw.setdefault("code", "model_not_found")
-        super().__init__(message, **kw)
-
-
-class ServiceUnavailable(APIError):
-    """503: no live worker can take the request (the backend's message says which role)."""
-
-    status, type, kind = 503, "service_unavailable", "unavailable"
-
-
-class Timeout(APIError):
-    """504: the backend produced nothing within the configured bound."""
-
-    status, type, kind = 504, "timeout", "timeout"
-
-
-class InternalError(APIError):
-    """500: a bug or a failed component; the message says what failed."""
-
 
 # ---- the request --------------------------------------------------------------------------
 
@@ -89,8 +62,11 @@ class CompletionRequest:
     max_tokens, temperature, top_p, top_k, n, seed, stop, stop_token_ids, ignore_eos: sampling
         settings with the meaning of protocol.sampling.SamplingParams (top_k, stop_token_ids and
         ignore_eos are extensions of the OpenAI API).
+    min_tokens, logprobs: as in SamplingParams (vLLM's min_tokens; logprobs = how many top
+        alternatives per token, None for no logprobs; chat's `logprobs`/`top_logprobs` map to it).
     stream: answer with server-sent events.
     include_usage: stream_options.include_usage (usage is sent on the last chunk regardless).
+    continuous_usage: stream_options.continuous_usage_stats (vLLM): usage on every chunk.
     add_special_tokens: let the tokenizer add its special tokens (e.g. BOS) when encoding the
         prompt text; False for a prompt rendered by a chat template, which writes them itself.
     """
@@ -111,110 +87,34 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     add_special_tokens: bool = True
+    min_tokens: int = 0
+    logprobs: int | None = None
+    continuous_usage: bool = False
 
     def sampling_params(self) -> SamplingParams:
         """The request's sampling settings; InvalidRequest if they break a bound."""
         try:
             return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, n=self.n, seed=self.seed, stop=tuple(self.stop),
-                                  stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                                  stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                                  min_tokens=self.min_tokens, logprobs=self.logprobs)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
 
 # Fields accepted, and fields refused only when set to something other than their no-op value.
 _KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
-          "stream_options", "stop_token_ids", "ignore_eos", "user"}
-_UNSUPPORTED_NOOP = {"echo": (None, False), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
+          "stream_options", "stop_token_ids", "ignore_eos", "user", "min_tokens", "logprobs",
+          "max_completion_tokens"}
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+MAX_NAME_CHARS = 256  # `model` and `user`
+# NOTE: echo stays refused: prompt logprobs need the logits of every prompt position, which
+# prefill never computes (it keeps the last row only); see the message below.
+_ECHO_REFUSAL = ("'echo' is not supported: it would need the logits of every prompt position "
+                 "(prompt logprobs), which prefill does not compute")
+_UNSUPPORTED_NOOP = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
                      "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                      "logit_bias": (None, {})}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise InvalidRequest(f"'{name}' must be an integer {rng}, got {v!r}", param=name)
-    return v
-
-
-def _num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v) or v != v or v > hi or v < lo or (lo_open and v == lo):
-        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise InvalidRequest(f"'{name}' must be a number in {rng}, got {v!r}", param=name)
-    return float(v)
-
-
-def _prompt(body: dict) -> tuple[str | None, tuple[int, ...]]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise InvalidRequest("'prompt' is required", param="prompt")
-    p = body["prompt"]
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) > 1:
-            raise InvalidRequest("batched prompts are not supported: send one prompt per request",
-                                 param="prompt")
-        p = p[0]  # a batch of one is just that prompt
-    if isinstance(p, str):
-        if not p:
-            raise InvalidRequest("'prompt' is empty", param="prompt")
-        return p, ()
-    if isinstance(p, list):
-        if not p:
-            raise InvalidRequest("'prompt' is empty", param="prompt")
-        if not all(_is_int(t) and t >= 0 for t in p):
-            raise InvalidRequest("'prompt' must be a string or a list of non-negative integer token ids",
-                                 param="prompt")
-        return None, tuple(p)
-    raise InvalidRequest("'prompt' must be a string or a list of integer token ids", param="prompt")
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise InvalidRequest("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
-                             param="stop")
-    return tuple(stops)
-
-
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean, got {v!r}", param=name)
-    return v
-
-
-def json_object(raw: bytes | str | dict) -> dict:
-    """The request body as a dict; InvalidRequest when it is not a JSON object."""
-    if isinstance(raw, (bytes, str)):
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise InvalidRequest(f"request body is not valid JSON: {e}") from None
-    else:
-        body = raw
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return body
 
 
 def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
@@ -223,35 +123,45 @@ def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
     body = json_object(raw)
     unsupported = sorted(k for k, ok in _UNSUPPORTED_NOOP.items() if k in body and body[k] not in ok)
     if unsupported:
+        if unsupported == ["echo"]:
+            raise InvalidRequest(_ECHO_REFUSAL, param="echo")
         raise InvalidRequest(f"unsupported field(s): {', '.join(unsupported)}", param=unsupported[0])
     unknown = sorted(set(body) - _KNOWN - set(_UNSUPPORTED_NOOP))
     if unknown:
         raise InvalidRequest(f"unrecognized field(s): {', '.join(unknown)}", param=unknown[0])
-    model = body.get("model") or ""
-    if not isinstance(model, str):
-        raise InvalidRequest(f"'model' must be a string, got {model!r}", param="model")
-    prompt, ids = _prompt(body)
+    limit = body.get("max_completion_tokens")  # guidellm sends it with max_tokens, equal, on both routes
+    if limit is not None:
+        if body.get("max_tokens") not in (None, limit):
+            raise InvalidRequest("'max_tokens' and 'max_completion_tokens' disagree; send one",
+                                 param="max_completion_tokens")
+        body = {**body, "max_tokens": limit}
+    model = str_field(body, "model", MAX_NAME_CHARS)
+    str_field(body, "user", MAX_NAME_CHARS)
+    prompt, ids = prompt_field(body)
     n = body.get("n")
-    if n is not None and _is_int(n) and n > max_n:
+    if n is not None and isinstance(n, int) and not isinstance(n, bool) and n > max_n:
         raise InvalidRequest(f"'n' = {n} is too large: this server allows at most {max_n}", param="n")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise InvalidRequest("'stop_token_ids' must be a list of non-negative integers",
-                             param="stop_token_ids")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise InvalidRequest("'stream_options' may only hold 'include_usage'", param="stream_options")
-    return CompletionRequest(
+    if not isinstance(opts, dict) or set(opts) - set(_STREAM_OPTIONS):
+        raise InvalidRequest(f"'stream_options' may only hold {' and '.join(_STREAM_OPTIONS)}",
+                             param="stream_options")
+    creq = CompletionRequest(
         request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
         model=model, prompt=prompt, prompt_ids=ids,
-        max_tokens=_int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1),
-        temperature=_num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
-        top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", 0, -1),
-        n=_int(body, "n", 1, 1, max_n),
-        seed=_int(body, "seed", None, 0, 2**63 - 1),
-        stop=_stop(body), stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos"),
-        stream=_bool(body, "stream"), include_usage=bool(opts.get("include_usage", False)))
+        max_tokens=int_field(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS),
+        temperature=num_field(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        top_p=num_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=int_field(body, "top_k", 0, -1, MAX_TOP_K),
+        n=int_field(body, "n", 1, 1, max_n),
+        seed=int_field(body, "seed", None, 0, MAX_SEED - 1),
+        stop=stop_field(body), stop_token_ids=token_ids_field(body, "stop_token_ids"),
+        ignore_eos=bool_field(body, "ignore_eos"), stream=bool_field(body, "stream"),
+        include_usage=bool_field(opts, "include_usage"),
+        continuous_usage=bool_field(opts, "continuous_usage_stats"),
+        min_tokens=int_field(body, "min_tokens", 0, 0, MAX_TOKENS),
+        logprobs=int_field(body, "logprobs", None, 0, MAX_LOGPROBS))
+    creq.sampling_params()  # every bound of the params checked now, not at dispatch
+    return creq
 
 
 def resolve_prompt(creq: CompletionRequest, tokenizer, max_context: int,
@@ -267,6 +177,9 @@ def resolve_prompt(creq: CompletionRequest, tokenizer, max_context: int,
     if bad:
         raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
                              param="prompt")
+    if creq.top_k > vocab_size:
+        raise InvalidRequest(f"'top_k' ({creq.top_k}) exceeds the vocabulary size {vocab_size}",
+                             param="top_k")
     bad_stop = [t for t in creq.stop_token_ids if t >= vocab_size]
     if bad_stop:
         raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad_stop[:5]}",

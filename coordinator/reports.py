@@ -92,7 +92,10 @@ class ReportsMixin:
         if isinstance(event, Tokens):
             if worker.name == request.decode:
                 self._advance(request, Phase.DECODING)
-            request.place(event.index, event.start, list(event.token_ids), event.finish_reason)
+            if request.cached_tokens is None and event.cached_tokens is not None:
+                request.cached_tokens = event.cached_tokens  # the first prefill's (not a resume's)
+            request.place(event.index, event.start, list(event.token_ids), event.finish_reason,
+                          event.logprobs)
         elif isinstance(event, Migrated):
             self._advance(request, Phase.MIGRATING)
             request.migration = {"ms": event.milliseconds, "bytes": event.payload_bytes,
@@ -146,4 +149,4 @@ class ReportsMixin:
         if self.colocated:
             info = {"worker": request.decode, "role": "colocated"}
         self._drop(request, ok=True)
-        request.q.put_nowait(FinalEvent(request.prompt_tokens, info))
+        request.q.put_nowait(FinalEvent(request.prompt_tokens, info, request.cached_tokens or 0))

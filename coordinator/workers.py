@@ -126,29 +126,31 @@ class RequestState:
     avoid: set = field(default_factory=set)      # decode workers a migration of it failed to
     resent: int = 0                              # held blocks re-sent to another decode worker
     resending: bool = False                      # a resend is being arranged (coordinator.failover)
+    cached_tokens: int | None = None             # prompt tokens the prefill's prefix cache supplied
 
     def __post_init__(self) -> None:
         self.emitted, self.stash, self.done = [0] * self.n, [{} for _ in range(self.n)], [False] * self.n
         self.tokens = [[] for _ in range(self.n)]
 
-    def place(self, i: int, start: int, toks: list[int], finish) -> None:
+    def place(self, i: int, start: int, toks: list[int], finish, logprobs: list = ()) -> None:
         """Tokens of choice i from output position `start`: queue, in order, the ones not yet sent
-        (a gap waits for the earlier tokens; positions already sent are dropped)."""
+        (a gap waits for the earlier tokens; positions already sent are dropped). logprobs, when
+        given, are one per token and are cut exactly as the tokens are."""
         from coordinator.backend import TokenEvent
 
         if not 0 <= i < self.n or self.done[i]:
             return
-        self.stash[i][start] = (toks, finish)
+        self.stash[i][start] = (toks, finish, logprobs)
         while self.stash[i]:
             s = min(self.stash[i])
             if s > self.emitted[i]:
                 return
-            toks, finish = self.stash[i].pop(s)
-            new = toks[self.emitted[i] - s:]
+            toks, finish, logprobs = self.stash[i].pop(s)
+            new, new_logprobs = toks[self.emitted[i] - s:], tuple(logprobs[self.emitted[i] - s:])
             self.emitted[i] += len(new)
             self.tokens[i] += new
             if new or finish:
-                self.q.put_nowait(TokenEvent(i, tuple(new), finish))
+                self.q.put_nowait(TokenEvent(i, tuple(new), finish, new_logprobs))
             if finish:
                 self.done[i] = True
                 self.stash[i].clear()

@@ -48,8 +48,10 @@ class ColocatedHandler:
                 continue
             seq = next(s for s in req.seqs if s.index == o.index)
             finish = (o.finish_reason or "stop") if o.finished else None
-            events.append(Tokens(o.request_id, o.index, len(seq.output_ids) - len(o.new_token_ids),
-                                 list(o.new_token_ids), finish, req.num_preemptions if finish else 0))
+            start = len(seq.output_ids) - len(o.new_token_ids)
+            events.append(Tokens(o.request_id, o.index, start, list(o.new_token_ids), finish,
+                                 req.num_preemptions if finish else 0, [o.logprobs] if o.logprobs else [],
+                                 req.cached_tokens if start == 0 else None))
         for rid in {o.request_id for o in outputs}:
             if rid not in self.engine.requests:  # retired: every choice finished
                 self.requests.pop(rid, None)

@@ -24,8 +24,9 @@ from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
 from engine.beam import beam_step, best_hypotheses
 from engine.identity import model_identity
+from engine.logprobs import sample_rows
 from engine.requests import RequestError, validate_prompt
-from engine.sampling import SamplingParams, StopChecker, cut_at_stop, sample_batch
+from engine.sampling import SamplingParams, StopChecker, cut_at_stop
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Request, Sequence, Status, StepOutput
 from kvcache import BlockAllocator, KVCacheManager, KVStorage
@@ -166,6 +167,9 @@ class LLMEngine:
             return []
         self.steps += 1
         self.last_step_prefill_tokens = sum(n for _, _, n in plan.prefill)
+        for req, s, _ in plan.prefill:  # its first chunk starts where the prefix cache left off
+            if req.cached_tokens is None:
+                req.cached_tokens = self.kv.table(s.seq_id).num_computed
         self.current_step = (time.monotonic(), plan.num_tokens)  # read by the worker's heartbeat thread
         ready, logits = self._forward(plan)
         self.scheduler.pacer.observe(plan.num_tokens, time.monotonic() - self.current_step[0])
@@ -233,16 +237,15 @@ class LLMEngine:
         rows = [r for _, _, r in batch]
         if rows != list(range(len(logits))):
             logits = logits[torch.tensor(rows, device=logits.device)]  # (len(batch), V)
-        tokens = sample_batch(logits, [req.params for req, _, _ in batch], [s.index for _, s, _ in batch],
-                              [len(s.output_ids) for _, s, _ in batch])
+        tokens, logprobs = sample_rows(logits, batch)  # min_tokens masks; logprobs where asked
         outs: list[StepOutput] = []
         done: dict[str, Request] = {}
-        for (req, s, _), tok in zip(batch, tokens):
+        for (req, s, _), tok, lp in zip(batch, tokens, logprobs):
             s.output_ids.append(tok)
             s.finish_reason = req.stop.check_sequence(s.output_ids, s.decoded, self.tokenizer)
             if s.finish_reason is not None:
                 self.kv.free(s.seq_id)
-            outs.append(StepOutput(req.request_id, s.index, [tok], s.finished, s.finish_reason))
+            outs.append(StepOutput(req.request_id, s.index, [tok], s.finished, s.finish_reason, logprobs=lp))
             done[req.request_id] = req
         for req in done.values():
             if all(s.finished for s in req.seqs):

@@ -143,6 +143,8 @@ class StopChecker:
         """'stop', 'length' or None (keep going), after the latest token was appended. text: the
         output text; new_from: where text added since the last check starts (a stop string that
         is there must end past it, so the search starts longest_stop - 1 characters earlier)."""
+        if len(output_ids) < self.params.min_tokens:  # nothing stops it before min_tokens
+            return None
         if output_ids and output_ids[-1] in self.stop_ids:
             return "stop"
         if text is not None:

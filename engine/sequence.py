@@ -72,6 +72,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_beams: list[Sequence] = field(default_factory=list)
+    cached_tokens: int | None = None  # prompt tokens the prefix cache supplied (set at its first chunk)
 
     @property
     def live_seqs(self) -> list[Sequence]:
@@ -101,3 +102,4 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     text_delta: str = ""
+    logprobs: object = None  # protocol.messages.TokenLogprobs of the new token, when the request asked

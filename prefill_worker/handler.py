@@ -144,7 +144,9 @@ class PrefillHandler(StreamingMixin):
             req = target.request
             seq = next(s for s in req.seqs if s.index == o.index)
             events.append(Tokens(o.request_id, o.index, len(seq.output_ids) - len(o.new_token_ids),
-                                 list(o.new_token_ids), (o.finish_reason or "stop") if o.finished else None))
+                                 list(o.new_token_ids), (o.finish_reason or "stop") if o.finished else None,
+                                 logprobs=[o.logprobs] if o.logprobs else [],
+                                 cached_tokens=req.cached_tokens))
             if req.finished and o.request_id not in self.engine.prefilled:
                 self.targets.pop(o.request_id, None)  # every choice ended at its first token
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.codec import message
-from protocol.sampling import SamplingParams
+from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 # ---- commands ---------------------------------------------------------------------------------
 
@@ -155,9 +155,27 @@ class WorkerInfo:
 
 @message
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and its top alternatives (ids and log-probabilities,
+    most likely first; at most protocol.sampling.MAX_LOGPROBS)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs) or len(self.top_ids) > MAX_LOGPROBS:
+            raise ValueError(f"top logprobs: {len(self.top_ids)} ids, {len(self.top_logprobs)} values, "
+                             f"at most {MAX_LOGPROBS}")
+
+
+@message
+@dataclass(frozen=True)
 class Tokens:
     """New tokens of choice `index`, starting at output position `start`; finish_reason set on
-    the choice's last tokens, with how often the request was preempted on this worker so far."""
+    the choice's last tokens, with how often the request was preempted on this worker so far.
+    logprobs: one per token when the request asked for them (else empty). cached_tokens: prompt
+    tokens the prefix cache supplied, on the events of the worker that ran the prefill."""
 
     request_id: str
     index: int
@@ -165,6 +183,12 @@ class Tokens:
     token_ids: list[int]
     finish_reason: str | None = None
     preemptions: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cached_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
 
 
 @message

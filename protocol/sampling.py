@@ -15,10 +15,21 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63           # seeds are in [0, MAX_SEED)
 MAX_TOKEN_ID = 0xFFFFFFFF
+MAX_TOKENS = 1 << 24       # max_tokens / min_tokens ceiling (the model's context bounds it further)
+MAX_TOP_K = MAX_TOKEN_ID + 1  # top_k ceiling here; the HTTP edge bounds it by the vocabulary
+MAX_LOGPROBS = 20          # top logprobs per token (as OpenAI)
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,10 @@ class SamplingParams:
     n: independent samples sharing the prompt's blocks (1..MAX_N).
     beam_width: > 1 runs beam search (greedy, length-normalised) instead of sampling.
     ignore_eos: keep going past the model's EOS token.
+    min_tokens: no EOS, stop token or stop string ends generation before this many tokens (vLLM);
+        the sampler masks the stop ids until then.
+    logprobs: None, or return each sampled token's log-probability (of the model's raw
+        distribution) with this many top alternatives (0..MAX_LOGPROBS).
     """
 
     max_tokens: int = 16
@@ -47,21 +62,28 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # lists (from msgpack or JSON) become tuples: the params stay hashable and immutable
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be an integer in 1..{MAX_TOKENS}, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in 0..max_tokens, got {self.min_tokens!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, "
+                             f"got {self.logprobs!r}")
         for name, lo, hi in (("temperature", 0.0, MAX_TEMPERATURE), ("top_p", 0.0, 1.0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not lo <= v <= hi:
                 raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
         if self.top_p == 0:
             raise ValueError("top_p must be in (0, 1], got 0")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1, 0 or a positive integer <= {MAX_TOP_K}, got {self.top_k!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
@@ -74,6 +96,8 @@ class SamplingParams:
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
                              f"{MAX_STOP_STRING_CHARS} characters")
+        if not all(_utf8(s) for s in self.stop):
+            raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids in "

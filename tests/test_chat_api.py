@@ -84,7 +84,9 @@ def test_chat_answers_whole_and_streamed(chat_server):
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     assert deltas[0]["delta"]["role"] == "assistant" and "role" not in deltas[-1]["delta"]
     assert "".join(d["delta"].get("content", "") for d in deltas) == text
-    assert deltas[-1]["finish_reason"] == choice["finish_reason"] and chunks[-1]["usage"] == body["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the 2nd one hits the prefix cache
+    assert deltas[-1]["finish_reason"] == choice["finish_reason"]
+    assert [chunks[-1]["usage"][k] for k in counts] == [body["usage"][k] for k in counts]
 
 
 @SKIP

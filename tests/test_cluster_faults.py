@@ -164,12 +164,13 @@ def test_decode_worker_wedged_mid_transfer_gets_the_held_blocks_resent(ray_local
         srv.stop()
 
 
-def _until_silent(backend, names: list[str], quiet_s: float = 0.6) -> None:
-    """Wait until the wedge took effect: these workers (reporting every 0.2 s) stopped reporting.
-    The hang is a queued command; a request sent at once could be imported just before it."""
+def _until_wedged(backend, names: list[str], stuck_s: float = 0.6) -> None:
+    """Wait until the wedge took effect: these workers' heartbeats (from their own thread, every
+    0.2 s) say their loop has been stuck in one iteration for `stuck_s`. The hang is a queued
+    command; a request sent at once could be imported just before it."""
     end = time.monotonic() + 10
-    while any(time.monotonic() - backend.workers[n].last_seen < quiet_s for n in names):
-        assert time.monotonic() < end, "the wedged workers kept reporting"
+    while any(backend.workers[n].progress.get("busy_s", 0.0) < stuck_s for n in names):
+        assert time.monotonic() < end, "the wedged workers' loops kept making progress"
         time.sleep(0.05)
 
 
@@ -187,7 +188,7 @@ def _check_resend(cluster: ClusterServer, local_engine: LLMEngine) -> None:
     prefills = sum(w["prefills"] for w in idle.values() if w["role"] == "prefill")
     failed = cc.cluster_info(port)["ledger"]["failed"]
     ray.get(backend.workers["decode-0"].handle.inject_fault.remote("hang"), timeout=30)
-    _until_silent(backend, ["decode-0"])
+    _until_wedged(backend, ["decode-0"])
 
     got = cc.complete(port, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert got["choices"][0]["token_ids"] == want
@@ -225,7 +226,7 @@ def test_no_decode_worker_can_take_the_held_blocks_503_and_they_are_released(ray
         port = srv.start()
         for name in ("decode-0", "decode-1"):
             ray.get(srv.backend.workers[name].handle.inject_fault.remote("hang"), timeout=30)
-        _until_silent(srv.backend, ["decode-0", "decode-1"])
+        _until_wedged(srv.backend, ["decode-0", "decode-1"])
         with pytest.raises(urllib.error.HTTPError) as e:
             cc.complete(port, {"prompt": list(range(40, 90)), "max_tokens": 8, "temperature": 0})
         body = json.loads(e.value.read())

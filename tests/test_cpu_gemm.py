@@ -30,8 +30,9 @@ def test_packed_is_as_exact_as_f_linear(rows, bias):
     w = torch.randn(384, 320, generator=gen)
     b = torch.randn(384, generator=gen) if bias else None
     ours, torch_ = _errors(torch.randn(rows, 320, generator=gen), w, b)
-    # bfloat16 or TF32-style arithmetic would be ~1e-1 off here; float32 summed in another order is ~1e-5
-    assert ours <= 4 * torch_ + 1e-5, (ours, torch_)
+    # bfloat16 or TF32-style arithmetic would be ~1e-1 off here; float32 summed in another order is
+    # 1e-5..1e-4 (oneDNN's blocking, and so its order, depends on the threads this process was given)
+    assert ours <= 4 * torch_ + 1e-4, (ours, torch_)
 
 
 def test_batched_and_strided_inputs():

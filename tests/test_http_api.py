@@ -66,7 +66,7 @@ def test_protocol_names_what_it_refuses():
     assert parse_completion_request({"prompt": ["one"]}).prompt == "one"
     assert parse_completion_request({"prompt": [[5, 6]]}).prompt_ids == (5, 6)
     for body, word in [({"prompt": ["a", "b"]}, "batched"), ({"prompt": "a", "echo": True}, "echo"),
-                       ({"prompt": "a", "best_of": 3, "logprobs": 2}, "best_of, logprobs"),
+                       ({"prompt": "a", "best_of": 3, "logprobs": 2}, "best_of"),
                        ({"prompt": "a", "foo": 1}, "foo"), ({"prompt": "a", "stop": ["1"] * 5}, "stop"),
                        ({"prompt": "a", "max_tokens": True}, "max_tokens")]:
         with pytest.raises(InvalidRequest, match=word):
