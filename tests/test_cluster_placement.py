@@ -32,7 +32,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_local, tmp_path):
+def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_session, tmp_path):
+    # ray_session: a plain local Ray on this host's routable address (the embedded Ray of
+    # `pdserve up`, ray_local, binds loopback only, so it has no node address to bind to)
     import ray
 
     from bench.engine import write_random_llama
@@ -75,7 +77,7 @@ def _remove_node_cache(published: dict) -> None:
             os.unlink(os.path.join(CACHE_ROOT, entry["digest"] + ".lock"))
 
 
-def test_a_config_asking_for_more_gpus_than_the_cluster_has_is_refused_at_start(ray_local):
+def test_a_config_asking_for_more_gpus_than_the_cluster_has_is_refused_at_start(ray_session):
     import asyncio
 
     import ray
