@@ -31,7 +31,7 @@ import msgpack
 from bench import fuzz_mutators as M
 from bench.fuzz_checks import FuzzChecks
 from bench.fuzz_lanes import Hang, Lane, _run_stream_ops, _tokens_opened, reply_code  # noqa: F401
-from bench.fuzz_receiver import RX_BLOCK, SHAPE, Receiver, receiver_main  # noqa: F401
+from bench.fuzz_receiver import RX_BLOCK, RX_NAME, SHAPE, Receiver, receiver_main  # noqa: F401
 from bench.fuzz_templates import make_templates
 from transfer.zmq_wire import TOKEN
 
@@ -45,6 +45,7 @@ class FuzzConfig:
     hang_s: float = 10.0        # a reply later than this is a hang
     num_blocks: int = 1024      # receiver pool
     max_examples: int = 20      # failures kept in the report
+    secret: bool = True         # the receiver checks signed hellos (the HMAC path is fuzzed too)
 
 
 
@@ -65,16 +66,20 @@ class Fuzzer(FuzzChecks):
         self.rx_errors: Counter = Counter()
         self.lanes: dict[int, Lane] = {}
         self.rx = None
+        from protocol.curve import ClusterKeys
+
+        self.secret = ClusterKeys.generate().secret if cfg.secret else ""
 
     # ---- receiver and lanes -----------------------------------------------------------------
     def _start(self) -> None:
-        self.rx = Receiver(self.cfg, self.generation)
+        self.rx = Receiver(self.cfg, self.generation, self.secret)
         self.generation += 1
 
     def _lane(self, bs: int) -> Lane:
         lane = self.lanes.get(bs)
         if lane is None:
-            lane = Lane(self.zctx, self.rx.address, self.fingerprints[bs], hang_s=self.cfg.hang_s)
+            lane = Lane(self.zctx, self.rx.address, self.fingerprints[bs], hang_s=self.cfg.hang_s,
+                        secret=self.secret, receiver=RX_NAME)
             self.lanes[bs] = lane
             lane.hello()
         return lane
@@ -168,6 +173,19 @@ class Fuzzer(FuzzChecks):
             ex.release()
         return msgs + [[TOKEN.pack(b"E", token), b""]]
 
+    def _signed_hello(self, lane: Lane, edit: tuple) -> bytes:
+        """A hello signed as the lane would sign it, then `edit` = (field, value) applied to its
+        wire dict; ("replay", _): a main lane's last accepted hello, sent again."""
+        field, value = edit
+        if field == "replay":
+            old = [x.last_hello for x in self.lanes.values() if x.last_hello]
+            if old:
+                return old[0]
+        d = msgpack.unpackb(lane.hello_body(), raw=False)
+        if field != "replay":
+            d[field] = value
+        return msgpack.packb(d, use_bin_type=True)
+
     def run_case(self, index: int) -> None:
         rng = random.Random(f"{self.cfg.seed}:{index}")
         family = M.pick_family(rng, index)
@@ -199,7 +217,10 @@ class Fuzzer(FuzzChecks):
                     lane.hello()  # the case may have cost this connection its handshake
             else:
                 own = Lane(self.zctx, self.rx.address, self.fingerprints[t.block_size],
-                           stream=case.stream_hello, hang_s=self.cfg.hang_s)
+                           stream=case.stream_hello, hang_s=self.cfg.hang_s, secret=self.secret,
+                           receiver=RX_NAME)
+                if isinstance(case.hello, tuple):  # a signed hello with one field damaged (gen_hello)
+                    case.hello = self._signed_hello(own, case.hello)
                 if case.hello == "ok":
                     own.hello()
                 if case.lane == "fresh":

@@ -34,23 +34,30 @@ class Hang(Exception):
 class Lane:
     """A DEALER connection to the receiver (and, when it asked for one, its data stream)."""
 
-    def __init__(self, zctx, address: str, fingerprint: dict, stream: bool = True, hello="ok", hang_s=10.0):
+    def __init__(self, zctx, address: str, fingerprint: dict, stream: bool = True, hello="ok", hang_s=10.0,
+                 secret: str = "", receiver: str = ""):
         import zmq
 
-        from transfer.messages import Hello
-
         self.zmq, self.hang_s, self.fingerprint, self.want_stream = zmq, hang_s, fingerprint, stream
+        self.secret, self.receiver, self.last_hello = secret, receiver, b""
         self.sock = zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.host = "127.0.0.1"
         self.port, self.stream_token, self.streams = 0, b"", []
         self.token, self.owner = 0, {}
-        self.hello_body = msgpack.packb(Hello(fingerprint, "fuzz", stream="tcp" if stream else "").to_wire(),
-                                        use_bin_type=True)
+
+    def hello_body(self) -> bytes:
+        """A fresh hello, signed for the receiver when the run has a secret (a new nonce each time)."""
+        from transfer.codec import encode
+        from transfer.transport import TransportConfig, make_hello
+
+        config = TransportConfig(peer_name="fuzz", secret=self.secret, receiver=self.receiver)
+        self.last_hello = encode(make_hello(self.fingerprint, config, "tcp" if self.want_stream else ""))
+        return self.last_hello
 
     def hello(self) -> str:
-        self.sock.send_multipart([b"H", self.hello_body])
+        self.sock.send_multipart([b"H", self.hello_body()])
         header, body = self.recv(lambda h: h == b"h")[-1]
         self.note_hello(body)
         return reply_code(body)

@@ -1,9 +1,14 @@
 """Control-message mutation families of `pdserve bench fuzz`: message headers (kinds, lengths,
 tokens, parts), handshakes (`Hello`) and dedupe queries, payload chunks (dropped, repeated,
 reordered, truncated, extended, flipped, misnumbered) and the order of a transfer's messages.
+Hellos are also signed (the runner signs them with the run's secret) and then damaged: tag and
+nonce non-ASCII, of the wrong length or type, huge; another receiver's name; stale; replayed;
+and bodies over the pre-authentication bound.
 """
 
 from __future__ import annotations
+
+import time
 
 import msgpack
 
@@ -45,11 +50,35 @@ def gen_header(rng, t, token, rid):
     return Case("header", f"{op}@{'MDE'[0 if i == 0 else 2 if i == len(msgs) - 1 else 1]}", rid, t, msgs=msgs)
 
 
+HEX_EDITS = ["\u00e9" * 64, "\u00e9" * 32, "\U0001f642" * 16, "ab", "", "x" * 64, "AB" * 32, "0" * 63,
+             "0" * 65, "\x00" * 64, "a" * 5000, "a" * 200_000, 12345, None, b"\xff" * 32, ["ab"] * 4]
+SIGNED_EDITS = {"tag": HEX_EDITS, "nonce": HEX_EDITS,
+                "to": ["", "other-rx", "fuzz-rx\x00", "FUZZ-RX", "x" * 2000],
+                "issued_at": ["stale", 1e12, -1.0, float("nan"), float("inf"), "now", 10**30, None],
+                "peer": ["x" * 2000, "\u00e9", 7], "replay": [None]}
+
+
 def gen_hello(rng, t, token, rid):
     from transfer.messages import Hello
 
     fp = dict(t.wire["fingerprint"])
     k = rng.random()
+    if k < 0.4:  # a signed hello (the runner signs it) with its tag, nonce, receiver... damaged
+        field = rng.choice(list(SIGNED_EDITS))
+        value = rng.choice(SIGNED_EDITS[field])
+        if value == "stale":
+            value = time.time() - rng.choice((61.0, 3600.0))
+        op = f"signed.{field}:{type(value).__name__}{len(value) if isinstance(value, (str, bytes)) else ''}"
+        msgs = transfer_msgs(t, token, rid)
+        return Case("hello", op, rid, t, lane="fresh", hello=(field, value), msgs=msgs)
+    if k < 0.5:  # oversized before any handshake: refused unread
+        n = rng.choice((8 << 10, 64 << 10, 1 << 20, 8 << 20))
+        big = rng.choice((lambda: list(range(n // 4)), lambda: {"fingerprint": fp, "peer": "x" * n},
+                          lambda: b"\x00" * n))()
+        hello = msgpack.packb(big, use_bin_type=True)
+        msgs = transfer_msgs(t, token, rid)
+        return Case("hello", f"oversized:{n}", rid, t, lane="fresh", hello=hello, msgs=msgs)
+    k = (k - 0.5) / 0.5
     if k < 0.1:
         hello, op = None, "no_hello"
     elif k < 0.55:

@@ -48,7 +48,7 @@ FAMILIES = {  # name: (generator, weight)
     "manifest_resealed": (gen_manifest_resealed, 10),
     "manifest_fields": (gen_manifest_fields, 22),
     "header": (gen_header, 10),
-    "hello": (gen_hello, 4),
+    "hello": (gen_hello, 8),
     "query": (gen_query, 5),
     "chunks": (gen_chunks, 12),
     "sequence": (gen_sequence, 5),

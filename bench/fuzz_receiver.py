@@ -1,9 +1,10 @@
 """The receiver side of `pdserve bench fuzz`: a `ZmqReceiver` (data plane "stream", over a real
-pool holding a resident sequence) served by `receiver_main` in a spawned child process, and the
-parent's `Receiver` handle on it. The child's loop frees every committed import (after taking its
-KV digest), reports untyped exceptions (from `poll` or its threads) as crashes over the pipe, and
-on "check" waits for in-flight transfers to time out, then compares the pool's allocator
-snapshot, its tables, open file descriptors, threads and stream state with its starting baseline.
+pool holding a resident sequence; with the run's cluster secret by default, so the HMAC path is
+fuzzed) served by `receiver_main` in a spawned child process, and the parent's `Receiver` handle
+on it. The child's loop frees every committed import (after taking its KV digest), reports
+untyped exceptions (from `poll` or its threads) as crashes over the pipe, and on "check" waits for
+in-flight transfers to time out, then compares the pool's allocator snapshot, its tables, open
+file descriptors, threads and stream state with its starting baseline.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 bytes a token
 RX_BLOCK = 16
+RX_NAME = "fuzz-rx"  # the receiver's peer_name: signed hellos are addressed to it
 
 
 def _snapshot(manager):
@@ -41,7 +43,7 @@ def _fd_targets() -> dict:
     return out
 
 
-def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int) -> None:
+def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int, secret: str = "") -> None:
     """Child process: serve a ZmqReceiver until told to stop; see the module doc."""
     import faulthandler
 
@@ -70,7 +72,7 @@ def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int) -> No
     fill_random_sequence(manager, "resident", 40, torch.Generator().manual_seed(seed))
     metrics = TransferMetrics()
     config = TransportConfig(address="tcp://127.0.0.1:0", idle_timeout_s=idle_timeout_s,
-                             connect_timeout_s=2.0, max_transfer_s=30.0)
+                             connect_timeout_s=2.0, max_transfer_s=30.0, secret=secret, peer_name=RX_NAME)
     rx = ZmqReceiver(manager, config, metrics=metrics)
     rx.poll(0.5)  # the stream listener's accept thread opens its selector: part of the baseline
     base_snap, base_fds, base_threads = _snapshot(manager), _fds(), threading.active_count()
@@ -135,11 +137,11 @@ def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int) -> No
 class Receiver:
     """The child process and its pipe."""
 
-    def __init__(self, cfg: FuzzConfig, generation: int):
+    def __init__(self, cfg: FuzzConfig, generation: int, secret: str = ""):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=receiver_main, args=(child, cfg.num_blocks, cfg.idle_timeout_s,
-                                                            cfg.seed + generation), daemon=True)
+                                                            cfg.seed + generation, secret), daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(120):

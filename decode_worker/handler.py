@@ -204,7 +204,8 @@ class DecodeHandler:
                 continue
             rid, seq = entry
             events.append(Tokens(rid, seq.index, len(seq.output_ids) - len(o.new_token_ids),
-                                 list(o.new_token_ids), (o.finish_reason or "stop") if o.finished else None))
+                                 list(o.new_token_ids), (o.finish_reason or "stop") if o.finished else None,
+                                 logprobs=[o.logprobs] if o.logprobs else []))
             if o.finished:
                 self.sequences.pop(o.request_id, None)
                 self.expected.get(rid, (0, set()))[1].discard(o.request_id)
@@ -220,10 +221,12 @@ class DecodeHandler:
 
     # ---- reports ----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        errors = DEFAULT_METRICS.snapshot()["errors"]  # this process's receiver
+        snap = DEFAULT_METRICS.snapshot()  # this process's receiver
+        errors, refusals = snap["errors"], snap["refusals"]  # refusals: unauthenticated input, by reason
         return {"refused_imports": self.refused_imports, "reserved_blocks": self.credits.reserved_blocks(),
                 "refused_reservations": self.credits.refused, "transfer_errors": sum(errors.values()),
-                "checksum_errors": errors.get("checksum", 0)}
+                "checksum_errors": errors.get("checksum", 0), "kv_refusals": sum(refusals.values()),
+                **{f"kv_refused_{reason}": n for reason, n in sorted(refusals.items())}}
 
     def holdings(self) -> dict[str, int]:
         landing = self.receiver.in_flight()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import zmq
 
 HANDSHAKE_MAX_AGE_S = 60.0  # a handshake older (or newer) than this is refused
+TAG_HEX, NONCE_HEX = 64, 32   # lengths of an hmac_sign tag and a new_nonce, in hex digits
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -73,15 +76,33 @@ def new_nonce() -> str:
     return os.urandom(16).hex()
 
 
+def is_hex(value, length: int) -> bool:
+    """`value` is a str of exactly `length` lowercase hex digits (what hmac_sign and new_nonce make)."""
+    return type(value) is str and len(value) == length and _HEX.issuperset(value)
+
+
+def tag_matches(secret: str, fields: list[str], issued_at: float, nonce: str, tag) -> bool:
+    """The tag is hmac_sign's for these fields. `nonce` and `tag` come from a peer: anything but
+    ASCII hex of the right length is refused before `compare_digest` (which raises TypeError on
+    a non-ASCII str), and the digests are compared as bytes."""
+    if not (is_hex(tag, TAG_HEX) and is_hex(nonce, NONCE_HEX) and type(issued_at) is float
+            and math.isfinite(issued_at)):
+        return False
+    return hmac.compare_digest(hmac_sign(secret, fields, issued_at, nonce).encode(), tag.encode())
+
+
 def hmac_verify(secret: str, fields: list[str], issued_at: float, nonce: str, tag: str,
                 seen: dict[str, float]) -> bool:
     """True for a fresh, never-seen handshake signed with the cluster secret. `seen` remembers
-    nonces (pruned past the maximum age) so a recorded handshake is refused."""
+    nonces (pruned past the maximum age) so a recorded handshake is refused. Never raises for
+    what a peer sent: a malformed nonce or tag is just not genuine."""
     now = time.time()
     for old in [n for n, t in seen.items() if now - t > HANDSHAKE_MAX_AGE_S]:
         del seen[old]
+    if not (is_hex(nonce, NONCE_HEX) and type(issued_at) is float and math.isfinite(issued_at)):
+        return False
     fresh = abs(now - issued_at) <= HANDSHAKE_MAX_AGE_S and nonce not in seen
-    valid = fresh and hmac.compare_digest(hmac_sign(secret, fields, issued_at, nonce), tag)
+    valid = fresh and tag_matches(secret, fields, issued_at, nonce, tag)
     if valid:
         seen[nonce] = now
     return valid

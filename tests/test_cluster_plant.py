@@ -66,14 +66,15 @@ def _attacker(transport: str, srv: ClusterServer, local_engine, secret: str | No
 
         sender = ZmqSender(layout.fingerprint(), TransportConfig(address=dw["address"], peer_name="prefill-0",
                                                                  connect_timeout_s=10, transfer_timeout_s=10,
-                                                                 secret=secret))
+                                                                 secret=secret, receiver=dw["name"]))
     else:
         import ray
 
         from transfer.ray_transport import RaySender
 
         actor = ray.get_actor(dw["name"], namespace=srv.backend.namespace)
-        config = TransportConfig(peer_name="prefill-0", checksum_mode="manifest", secret=secret)
+        config = TransportConfig(peer_name="prefill-0", checksum_mode="manifest", secret=secret,
+                                 receiver=dw["name"])
         sender = RaySender(layout.fingerprint(), actor, config)
     return manager, sender
 

@@ -103,6 +103,13 @@ class NotAdmitted(TransferError):
     code = "refused"
 
 
+class Unauthenticated(TransferError):
+    """A handshake reply not signed with the cluster secret for this hello, or from a receiver
+    other than the one this sender meant to reach (protocol.curve, transfer.transport)."""
+
+    code = "unauthenticated"
+
+
 class TransportClosed(TransferError):
     """The transport was closed (locally) while an operation was in flight."""
 
@@ -113,7 +120,8 @@ ERROR_CLASSES: dict[str, type[TransferError]] = {
     cls.code: cls for cls in (
         TransferError, MalformedMessage, LimitExceeded, ProtocolVersionError, FingerprintMismatch,
         HandshakeRequired, ChecksumError, FrameSizeError, FrameCountError, StaleEpoch,
-        SequenceExists, PoolFull, DedupeMiss, TransferTimeout, NotAdmitted, TransportClosed)
+        SequenceExists, PoolFull, DedupeMiss, TransferTimeout, NotAdmitted, Unauthenticated,
+        TransportClosed)
 }
 
 

@@ -42,20 +42,21 @@ class Hello:
     tag: str = ""
     stream: str = ""  # the data stream this sender wants: "tcp", "ipc", or "" (payload in ZeroMQ frames)
     pool_path: str = ""  # Ray transport: the sender's /dev/shm pool file, for a same-node receiver
+    to: str = ""  # the receiver this hello is meant for (its peer_name): signed, so it binds the hello
 
     def signed_fields(self) -> list[str]:
-        return [json.dumps(self.fingerprint, sort_keys=True), self.peer, self.stream, self.pool_path]
+        return [json.dumps(self.fingerprint, sort_keys=True), self.peer, self.stream, self.pool_path, self.to]
 
     def to_wire(self) -> dict:
         return {"v": PROTOCOL_VERSION, "kind": "hello", "fingerprint": dict(self.fingerprint),
                 "peer": self.peer, "issued_at": self.issued_at, "nonce": self.nonce, "tag": self.tag,
-                "stream": self.stream, "pool_path": self.pool_path}
+                "stream": self.stream, "pool_path": self.pool_path, "to": self.to}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> Hello:
         what = "hello"
         require_keys(wire, {"v", "kind", "fingerprint", "peer", "issued_at", "nonce", "tag", "stream",
-                            "pool_path"}, what)
+                            "pool_path", "to"}, what)
         stream = get_str(wire, "stream", 8, what, "")
         if stream not in ("", "tcp", "ipc"):
             raise MalformedMessage(f"hello asks for an unknown data stream {stream[:8]!r}")
@@ -63,12 +64,14 @@ class Hello:
                    get_str(wire, "peer", limits.max_id_len, what),
                    get_float(wire, "issued_at", 0.0, 1e12, what, 0.0),
                    get_str(wire, "nonce", 64, what, ""), get_str(wire, "tag", 128, what, ""), stream,
-                   get_str(wire, "pool_path", 200, what, ""))
+                   get_str(wire, "pool_path", 200, what, ""),
+                   get_str(wire, "to", limits.max_id_len, what, ""))
 
 
 @dataclass(frozen=True)
 class HelloReply:
-    """The receiver's answer when the layouts are compatible (otherwise a `Nack`)."""
+    """The receiver's answer when the layouts are compatible (otherwise a `Nack`); signed with the
+    cluster secret, bound to the hello it answers (`transport.sign_reply`), when there is one."""
 
     fingerprint: dict
     peer: str = ""
@@ -76,20 +79,26 @@ class HelloReply:
     data_path: str = ""   # host the sender connected to, or a Unix socket path (Ray: the sender's
                           # pool file, when this receiver mapped it: payloads are read from there);
     data_token: str = ""  # and the token (hex) that opens it, issued to this connection only
+    tag: str = ""         # HMAC of the fields below and the hello's nonce (transport.sign_reply)
+
+    def signed_fields(self) -> list[str]:
+        return ["hello_ok", json.dumps(self.fingerprint, sort_keys=True), self.peer, str(self.data_port),
+                self.data_path, self.data_token]
 
     def to_wire(self) -> dict:
         return {"v": PROTOCOL_VERSION, "kind": "hello_ok", "fingerprint": dict(self.fingerprint),
                 "peer": self.peer, "data_port": self.data_port, "data_path": self.data_path,
-                "data_token": self.data_token}
+                "data_token": self.data_token, "tag": self.tag}
 
     @classmethod
     def from_wire(cls, wire, limits: Limits) -> HelloReply:
         what = "hello_ok"
-        require_keys(wire, {"v", "kind", "fingerprint", "peer", "data_port", "data_path", "data_token"}, what)
+        require_keys(wire, {"v", "kind", "fingerprint", "peer", "data_port", "data_path", "data_token",
+                            "tag"}, what)
         return cls(validate_fingerprint(get(wire, "fingerprint", what), limits),
                    get_str(wire, "peer", limits.max_id_len, what),
                    get_int(wire, "data_port", 0, 65535, what, 0), get_str(wire, "data_path", 200, what, ""),
-                   get_str(wire, "data_token", 64, what, ""))
+                   get_str(wire, "data_token", 64, what, ""), get_str(wire, "tag", 128, what, ""))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Counters for KV migration: completed transfers, bytes, deduplicated blocks and one counter
-per error kind (keyed by `TransferError.code`). Thread-safe; `snapshot()` gives a plain dict
+"""Counters for KV migration: completed transfers, bytes, deduplicated blocks, one counter per
+error kind (keyed by `TransferError.code`) and one per reason a receiver refused an
+unauthenticated peer (`transfer.refusals`). Thread-safe; `snapshot()` gives a plain dict
 that a worker can export (e.g. as Prometheus counters).
 """
 
@@ -18,10 +19,15 @@ class TransferMetrics:
         self._lock = threading.Lock()
         self.errors: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
 
     def record_error(self, err: TransferError) -> None:
         with self._lock:
             self.errors[err.code] += 1
+
+    def record_refusal(self, reason: str) -> None:
+        with self._lock:
+            self.refusals[reason] += 1
 
     def add(self, name: str, value: int = 1) -> None:
         with self._lock:
@@ -29,7 +35,8 @@ class TransferMetrics:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"errors": dict(self.errors), "counters": dict(self.counters)}
+            return {"errors": dict(self.errors), "counters": dict(self.counters),
+                    "refusals": dict(self.refusals)}
 
 
 DEFAULT_METRICS = TransferMetrics()

@@ -47,7 +47,8 @@ class _Stream:
 
 
 class RayStreamMixin:
-    """Needs from the host class: manager, config, admission, epochs, metrics, stage, plans."""
+    """Needs from the host class: manager, config, admission, epochs, metrics, stage, plans,
+    handshaken, _turn_away."""
 
     def _init_streams(self) -> None:
         self._open_streams: dict[str, _Stream] = {}  # connection -> its stream in progress
@@ -73,8 +74,10 @@ class RayStreamMixin:
     def stream_call(self, call: str, conn: str, header: bytes, body,
                     frames) -> tuple[bytes, ImportResult | None]:
         """One stream call: the reply for the sender, and the committed import (a final's, else None)."""
-        conn = str(conn)
         self.expire_streams()
+        if self.handshaken(conn) is None:  # NOTE: refused unread (convention 15)
+            return self._turn_away(HandshakeRequired("stream call on a connection without a handshake")), None
+        conn = str(conn)[:128]
         try:
             if call not in CALLS:
                 raise MalformedMessage(f"unknown stream call {call!r}")

@@ -36,16 +36,18 @@ from transfer.errors import (
 )
 from transfer.export import ExportedSequence
 from transfer.importer import ImportResult, import_sequence
-from transfer.messages import Ack, Held, Hello, HelloReply, Manifest, Nack, Query
+from transfer.messages import Ack, Held, HelloReply, Manifest, Nack, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
-from transfer.ray_shm import encode_offsets, open_peer_pool, pool_offsets
+from transfer.ray_handshake import RayHandshakeMixin
+from transfer.ray_shm import encode_offsets, pool_offsets
 from transfer.ray_stream import migrate_streamed
 from transfer.ray_stream_receiver import RayStreamMixin
 from transfer.reblock import CompatPlan, check_compatible
-from transfer.transport import TransportConfig, hello_is_genuine, make_hello, migrate
+from transfer.refusals import Refusals
+from transfer.transport import TransportConfig, check_reply, make_hello, migrate
 
 
-class RayReceiverEndpoint(RayStreamMixin):
+class RayReceiverEndpoint(RayHandshakeMixin, RayStreamMixin):
     """Decode side. Call its methods from the actor that owns `manager` (one thread)."""
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
@@ -54,6 +56,7 @@ class RayReceiverEndpoint(RayStreamMixin):
         self.admission = admission
         self.epochs = epochs if epochs is not None else EpochGuard()
         self.metrics = metrics or DEFAULT_METRICS
+        self.refusals = Refusals(self.metrics, self.config.peer_name)
         self.fingerprint = manager.storage.layout.fingerprint()
         self.plans: dict[str, tuple[CompatPlan, str]] = {}  # connection -> (plan, sender's name)
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
@@ -64,38 +67,6 @@ class RayReceiverEndpoint(RayStreamMixin):
         if not counted:
             self.metrics.record_error(err)
         return encode(Nack(request_id, epoch, err.code, str(err)))
-
-    def kv_hello(self, conn: str, data: bytes) -> bytes:
-        try:
-            hello = decode(data, self.config.limits, Hello)
-            if not hello_is_genuine(hello, self.config, self._nonces):
-                raise refused()  # NOTE: before anything about this receiver is revealed
-            plan = check_compatible(hello.fingerprint, self.fingerprint)
-        except TransferError as e:
-            return self._nack(e)
-        if len(self.plans) >= 4096:
-            oldest = next(iter(self.plans))
-            self.plans.pop(oldest)
-            self.pools.pop(oldest, None)
-        self.plans[str(conn)] = (plan, hello.peer)
-        pool = open_peer_pool(hello.pool_path)
-        if pool is not None:
-            self.pools[str(conn)] = pool
-        path = pool.path if pool is not None else ""
-        return encode(HelloReply(self.fingerprint, self.config.peer_name, data_path=path))
-
-    def kv_query(self, conn: str, data: bytes) -> bytes:
-        try:
-            q = decode(data, self.config.limits, Query)
-            plan = self.plans.get(str(conn))
-            if plan is None or not self.admission.admit_query(q.request_id, plan[1]):
-                raise refused()
-            if q.block_size != self.manager.block_size:
-                raise MalformedMessage(f"query in blocks of {q.block_size}, not {self.manager.block_size}")
-        except TransferError as e:
-            return self._nack(e)
-        lookup = self.manager.allocator.lookup
-        return encode(Held(q.request_id, tuple(i for i, h in enumerate(q.hashes) if lookup(h) is not None)))
 
     def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
         """The actor-facing call: the reply bytes only (see `receive`)."""
@@ -111,14 +82,14 @@ class RayReceiverEndpoint(RayStreamMixin):
         which the owner joins to its batch exactly as it does a ZeroMQ receiver's `poll` result.
         offsets: the frames' places in the sender's pool file (same node) instead of `frames`."""
         t0 = time.perf_counter()
+        entry = self.handshaken(conn)
+        if entry is None:  # NOTE: refused unread
+            return self._turn_away(HandshakeRequired("transfer on a connection without a handshake")), None
+        conn = str(conn)[:128]
         try:
             m = decode(unseal(manifest), self.config.limits, Manifest)
         except TransferError as e:
             return self._nack(e), None
-        entry = self.plans.get(str(conn))
-        if entry is None:
-            err = HandshakeRequired("transfer on a connection without a handshake")
-            return self._nack(err, m.request_id, m.epoch), None
         plan, peer = entry
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer):
             return self._nack(refused()), None  # NOTE: before any block is allocated; no detail echoed
@@ -172,13 +143,14 @@ class RaySender:
 
     def connect(self, timeout: float | None = None) -> CompatPlan:
         path = getattr(self.pool, "shm_path", None) or ""
-        hello = encode(make_hello(self.fingerprint, self.config, pool_path=path))
-        data = self._get(self.actor.kv_hello.remote(self.conn, hello),
+        hello = make_hello(self.fingerprint, self.config, pool_path=path)
+        data = self._get(self.actor.kv_hello.remote(self.conn, encode(hello)),
                          timeout or self.config.connect_timeout_s, "handshake reply")
         reply = _reply_of(self, data, HelloReply)
-        self.shm = bool(path) and reply.data_path == path
         try:
+            check_reply(reply, hello, self.config)  # signed for this hello, by the receiver we meant
             self.plan = check_compatible(self.fingerprint, reply.fingerprint)
+            self.shm = bool(path) and reply.data_path == path
         except TransferError as e:
             self.metrics.record_error(e)
             raise

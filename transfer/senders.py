@@ -28,7 +28,7 @@ class SenderPool:
     def get(self, name: str, address: str):
         sender = self._senders.get(name)
         if sender is None:
-            config = TransportConfig(address=address, peer_name=self.peer_name,
+            config = TransportConfig(address=address, peer_name=self.peer_name, receiver=name,
                                      transfer_timeout_s=self.transfer_timeout_s,
                                      connect_timeout_s=min(10.0, self.transfer_timeout_s),
                                      checksum_mode="manifest" if self.transport == "ray" else "inline",

@@ -7,6 +7,8 @@ through `wake_fd`). A reader thread only lands bytes into the session's reserved
 `recv_into` and verifies each chunk's checksum right after it lands, so payload arrives while
 the decode loop keeps stepping. `cancel` stops a landing's reader (its socket is shut down) and
 waits for it before the owner frees the blocks. Every wait is bounded by the transport config.
+A connection gets its reader thread only once its opening message carried a live token: until
+then it waits in the accept thread's selector under its own cap and total deadline (`stream_open`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import time
 
 from transfer.errors import FrameCountError, FrameSizeError, TransferError, TransferTimeout, TransportClosed
 from transfer.metrics import TransferMetrics
+from transfer.stream_open import BUSY, OPENED, Opening, accept, expired, turn_away
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_all
 
-MAX_STREAMS = 256  # open streams at once; more are refused at accept
+MAX_STREAMS = 256  # opened streams (token checked) at once; more are refused
 
 
 class Landing:
@@ -38,8 +41,11 @@ class Landing:
 
 
 class StreamListener:
-    def __init__(self, host: str, config, metrics: TransferMetrics):
+    def __init__(self, host: str, config, metrics: TransferMetrics, refusals=None):
+        from transfer.refusals import Refusals
+
         self.config, self.metrics = config, metrics
+        self.refusals = refusals or Refusals(metrics)
         self.finished: queue.Queue[Landing] = queue.Queue()
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
@@ -142,41 +148,67 @@ class StreamListener:
 
         sel = selectors.DefaultSelector()
         known: set[socket.socket] = set()
-        while not self._stop:
-            for s in self.listeners:
-                if s not in known:
-                    sel.register(s, selectors.EVENT_READ)
-                    known.add(s)
-            for key, _ in sel.select(0.2):
-                try:
-                    conn, _ = key.fileobj.accept()
-                except OSError:
-                    continue
-                with self._lock:
-                    full = len(self._open) >= MAX_STREAMS or self._stop
-                    if not full:
-                        self._open.add(conn)
-                if full:
-                    self.metrics.add("streams_refused")
-                    conn.close()
-                    continue
-                threading.Thread(target=self._serve, args=(conn,), name="kv-stream-read", daemon=True).start()
-        sel.close()
+        openings: dict[socket.socket, Opening] = {}
+        try:
+            while not self._stop:
+                for s in self.listeners:
+                    if s not in known:
+                        sel.register(s, selectors.EVENT_READ)
+                        known.add(s)
+                wait = min([0.2] + [op.deadline - time.monotonic() for op in openings.values()])
+                for key, _ in sel.select(max(0.0, wait)):
+                    if key.fileobj in known:
+                        accept(key.fileobj, sel, openings, self.config.stream_open_s, self.refusals)
+                        continue
+                    op = openings[key.fileobj]
+                    done = op.read()
+                    if done is False:
+                        continue
+                    sel.unregister(op.conn)
+                    del openings[op.conn]
+                    if done is None:
+                        self.refusals.refuse("stream_open", "closed before its opening message")
+                        turn_away(op.conn)
+                    else:
+                        self._opened(op.conn, bytes(op.buf))
+                for op in expired(openings):
+                    sel.unregister(op.conn)
+                    del openings[op.conn]
+                    self.refusals.refuse("stream_open", f"no opening in {self.config.stream_open_s}s")
+                    turn_away(op.conn)
+        finally:
+            for conn in openings:
+                turn_away(conn)
+            sel.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _opened(self, conn: socket.socket, hello: bytes) -> None:
+        """The opening message is in: a live token gets the stream a reader thread and a slot."""
+        magic, token = OPEN.unpack(hello)
+        with self._lock:
+            key = self._tokens.get(token) if magic == OPEN_MAGIC else None
+            full = key is not None and (len(self._open) >= MAX_STREAMS or self._stop)
+            if key is not None and not full:
+                self._open.add(conn)
+        if key is None:
+            self.metrics.add("stream_token_refused")
+            self.refusals.refuse("stream_token", "a data stream opened with an unknown token")
+            return turn_away(conn)
+        if full:
+            self.metrics.add("streams_refused")
+            return turn_away(conn, BUSY)
         try:
             conn.setblocking(True)
-            conn.settimeout(self.config.connect_timeout_s)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = recv_exact(conn, OPEN.size)
-            magic, token = OPEN.unpack(hello) if hello else (b"", b"")
+            conn.sendall(OPENED)  # one byte into an empty send buffer: never blocks
+        except OSError:
             with self._lock:
-                key = self._tokens.get(token) if magic == OPEN_MAGIC else None
-            if key is None:
-                self.metrics.add("stream_token_refused")
-                return
-            conn.sendall(b"K")
+                self._open.discard(conn)
+            return turn_away(conn)
+        threading.Thread(target=self._serve, args=(conn, key), name="kv-stream-read", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, key: bytes) -> None:
+        try:
             conn.settimeout(None)  # idle between transfers; close() shuts the socket down
             while self._read_transfer(conn, key):
                 pass

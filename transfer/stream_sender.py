@@ -13,6 +13,7 @@ import contextlib
 import socket
 
 from transfer.errors import TransportClosed
+from transfer.stream_open import BUSY, OPENED
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, send_views
 
 
@@ -35,9 +36,13 @@ class DataStream:
                 s.settimeout(self.timeout_s)
                 s.connect(self.where[1])
             s.sendall(OPEN.pack(OPEN_MAGIC, self.token))
-            if recv_exact(s, 1) != b"K":
+            answer = recv_exact(s, 1)
+            if answer != OPENED:
                 s.close()
-                raise TransportClosed("the receiver refused the data stream's token")
+                raise TransportClosed(
+                    "the receiver's data stream is at its connection limit" if answer == BUSY else
+                    "the receiver closed the data stream before confirming it (a token it no longer "
+                    "knows, or no opening within its deadline)")
         except OSError as e:
             raise TransportClosed(f"cannot open the data stream: {type(e).__name__}: {e}") from None
         self.sock = s

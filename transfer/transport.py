@@ -50,7 +50,14 @@ class TransportConfig:
     max_transfer_s: the receiver's longest whole transfer (a sender trickling one chunk just
       inside the idle timeout cannot hold a reservation forever).
     lease_s: how long a sender keeps exported blocks referenced without an ack.
-    peer_name: this endpoint's name in handshakes (diagnostics).
+    peer_name: this endpoint's name in handshakes. A receiver with a secret refuses a hello
+      addressed (`Hello.to`, inside the MAC) to any other name.
+    receiver: a sender's: the peer_name of the receiver it means to reach; signed into its hello
+      and checked against the (signed) reply, so a hello captured on the way to one receiver is
+      refused by every other one.
+    preauth_s: how long a ZeroMQ connection may go without completing its handshake before the
+      receiver closes it, and forgets what it knew of it.
+    stream_open_s: the total deadline for a data stream's opening message (stream_receiver).
     limits: bounds on what a peer may claim.
     secret: the cluster secret (protocol.curve): senders sign their handshake with it and
       receivers refuse an unsigned, stale, replayed or wrongly signed one ('': no keyed handshake).
@@ -77,6 +84,9 @@ class TransportConfig:
     max_transfer_s: float = 300.0
     lease_s: float = 60.0
     peer_name: str = ""
+    receiver: str = ""
+    preauth_s: float = 10.0
+    stream_open_s: float = 1.0
     limits: Limits = field(default_factory=Limits)
     secret: str = ""
     data_plane: str = "stream"
@@ -97,7 +107,7 @@ def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", poo
     from protocol.curve import hmac_sign, new_nonce
     from transfer.messages import Hello
 
-    hello = Hello(dict(fingerprint), config.peer_name, stream=stream, pool_path=pool_path)
+    hello = Hello(dict(fingerprint), config.peer_name, stream=stream, pool_path=pool_path, to=config.receiver)
     if not config.secret:
         return hello
     issued_at, nonce = time.time(), new_nonce()
@@ -106,12 +116,40 @@ def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", poo
 
 
 def hello_is_genuine(hello, config: TransportConfig, seen: dict) -> bool:
-    """True when no secret is configured, or the handshake is fresh and signed with it."""
+    """True when no secret is configured, or the handshake is addressed to this receiver
+    (`config.peer_name`), fresh, never seen, and signed with the secret. Never raises."""
     from protocol.curve import hmac_verify
 
     if not config.secret:
         return True
+    if hello.to != config.peer_name:  # NOTE: checked before the nonce is remembered
+        return False
     return hmac_verify(config.secret, hello.signed_fields(), hello.issued_at, hello.nonce, hello.tag, seen)
+
+
+def sign_reply(reply, hello, config: TransportConfig):
+    """The receiver's reply, signed and bound to the hello it answers (its nonce and timestamp)."""
+    import dataclasses
+
+    from protocol.curve import hmac_sign
+
+    if not config.secret:
+        return reply
+    return dataclasses.replace(reply, tag=hmac_sign(config.secret, reply.signed_fields(), hello.issued_at,
+                                                    hello.nonce))
+
+
+def check_reply(reply, hello, config: TransportConfig) -> None:
+    """A sender's check of the receiver's reply to `hello` (its own): signed with the secret for
+    this very hello, and from the receiver it meant to reach. Unauthenticated otherwise."""
+    from protocol.curve import tag_matches
+    from transfer.errors import Unauthenticated
+
+    if config.receiver and reply.peer != config.receiver:
+        raise Unauthenticated(f"handshake answered by {reply.peer[:64]!r}, not {config.receiver!r}")
+    if config.secret and not tag_matches(config.secret, reply.signed_fields(), hello.issued_at, hello.nonce,
+                                         reply.tag):
+        raise Unauthenticated("handshake reply is not signed with the cluster secret for this hello")
 
 
 def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:

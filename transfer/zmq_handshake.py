@@ -1,7 +1,10 @@
 """The ZeroMQ receiver's answers before any transfer, as a mixin of `ZmqReceiver`: the handshake
-(`_hello`: a signed hello is checked before anything about the receiver is revealed, layouts are
-compared, and a data-stream token is issued when the sender asked for one) and the dedupe query
-(`_query`: answered only for an admitted request of the sender's). Owner's thread only.
+(`_hello`: at most `PREAUTH_MAX_BYTES`, checked before it is decoded; a signed hello must be
+addressed to this receiver, fresh and genuine before anything about the receiver is revealed;
+every failure up to there, of any exception type, is a counted refusal that never leaves `poll`;
+then layouts are compared, a data-stream token is issued when the sender asked for one, and the
+reply is signed for this hello) and the dedupe query (`_query`: answered only for an admitted
+request of the sender's). Owner's thread only.
 """
 
 from __future__ import annotations
@@ -9,32 +12,48 @@ from __future__ import annotations
 from transfer.admission import refused
 from transfer.codec import decode
 from transfer.errors import MalformedMessage, TransferError
-from transfer.messages import Held, Hello, HelloReply, Query
+from transfer.messages import Held, Hello, HelloReply, Nack, Query
 from transfer.reblock import check_compatible
-from transfer.transport import hello_is_genuine
+from transfer.refusals import as_refusal, too_big
+from transfer.transport import hello_is_genuine, sign_reply
 
 
 class HandshakeMixin:
-    """Needs from the host class: config, fingerprint, admission, manager, streams, _nonces, _send,
-    _refuse."""
+    """Needs from the host class: config, fingerprint, admission, manager, streams, peers, idle,
+    _nonces, _send, _refuse."""
+
+    def _turn_away(self, ident: bytes, header: bytes, err: TransferError) -> None:
+        """Refuse an unauthenticated peer: counted by reason, logged at a bounded rate, nacked."""
+        self.metrics.record_error(err)
+        self.refusals.refuse(err.code, str(err))
+        self._send(ident, header, Nack("", 0, err.code, str(err)[:200]))
+        return None
 
     def _hello(self, ident: bytes, peer, body) -> None:
+        peer.plan = None  # a new handshake replaces the old one, whatever its outcome
         try:
+            err = too_big(body.nbytes, "hello")
+            if err is not None:
+                raise err  # NOTE: refused unread
             hello = decode(body, self.config.limits, Hello)
             if not hello_is_genuine(hello, self.config, self._nonces):
                 raise refused()  # NOTE: before anything about this receiver is revealed
-            peer.plan = check_compatible(hello.fingerprint, self.fingerprint)
+        except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
+            return self._turn_away(ident, b"h", as_refusal(e))
+        try:  # authenticated from here on: a mismatch is the peer's error, raised as before
+            plan = check_compatible(hello.fingerprint, self.fingerprint)
         except TransferError as e:
-            peer.plan = None
             self._refuse(ident, b"h", e)
-        peer.name = hello.peer
+        peer.plan, peer.name = plan, hello.peer
+        self.peers.trust(ident, peer)
+        self.idle.trusted(peer.fd)
         reply = HelloReply(self.fingerprint, self.config.peer_name)
         st = self.streams
         if st is not None and (hello.stream == "tcp" or (hello.stream == "ipc" and st.path)):
             tcp = hello.stream == "tcp"
             reply = HelloReply(self.fingerprint, self.config.peer_name, st.port if tcp else 0,
                                "" if tcp else st.path, st.issue(ident))
-        self._send(ident, b"h", reply)
+        self._send(ident, b"h", sign_reply(reply, hello, self.config))
         return None
 
     def _query(self, ident: bytes, peer, body) -> None:

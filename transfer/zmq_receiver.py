@@ -4,6 +4,9 @@
 (`stream_receiver`) or, for small ones and data_plane "zmq", from this socket. A failed
 transfer is aborted (reservation released), nacked, counted, and its error raised from `poll`.
 Manifests and dedupe queries pass `admission` (transfer.admission) before anything is allocated.
+A peer without a completed handshake gets nothing but its hello read (`transfer.refusals`: size
+checked before decoding, every error a counted refusal that never escapes `poll`); its state and
+its connection are dropped after `preauth_s` (`transfer.zmq_peers`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import contextlib
 import math
 import os
 import time
-from collections import OrderedDict
 
 import zmq
 
@@ -27,42 +29,16 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.importer import ImportResult, ImportSession
-from transfer.messages import Final, Manifest, Nack
+from transfer.messages import Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
-from transfer.reblock import CompatPlan
+from transfer.refusals import Refusals, as_refusal
 from transfer.stream_receiver import StreamListener
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.zmq_handshake import HandshakeMixin
 from transfer.zmq_payload import PayloadMixin
-from transfer.zmq_wire import DATA, MAX_PEERS, TOKEN, bind_address
-
-
-class _Peer:
-    """One sender connection's state; those with a transfer in progress are also in `active` (so
-    the per-message walks over transfers never touch the many idle connections)."""
-
-    def __init__(self, ident: bytes, active: dict) -> None:
-        self._ident, self._active, self._session = ident, active, None
-        self.plan: CompatPlan | None = None
-        self.name = ""  # the sender's name from its handshake
-        self.landing = None  # the session's payload landing on the data stream (stream_receiver)
-        self.final: Final | None = None  # a streamed migration's closing state (None: not yet / not one)
-        self.awaits_final = False        # streamed migration: commit only after `final` and the payload
-        self.landed = False              # its payload finished landing while `final` was still missing
-        self.token, self.t0 = -1, 0.0
-
-    @property
-    def session(self) -> ImportSession | None:
-        return self._session
-
-    @session.setter
-    def session(self, session: ImportSession | None) -> None:
-        self._session = session
-        if session is None:
-            self._active.pop(self._ident, None)
-        else:
-            self._active[self._ident] = self
+from transfer.zmq_peers import IdleConnections, Peer, PeerTable
+from transfer.zmq_wire import DATA, TOKEN, bind_address
 
 
 class ZmqReceiver(HandshakeMixin, PayloadMixin):
@@ -84,8 +60,10 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         s.bind(bind_address(config.address))
         self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = [self.address]
-        self.peers: OrderedDict[bytes, _Peer] = OrderedDict()
-        self.active: dict[bytes, _Peer] = {}  # the peers with a transfer in progress
+        self.active: dict[bytes, Peer] = {}  # the peers with a transfer in progress
+        self.peers = PeerTable(self.active, config.preauth_s)
+        self.refusals = Refusals(self.metrics, config.peer_name or self.address)
+        self.idle = IdleConnections(s, config.preauth_s, self.refusals)  # closes them after preauth_s
         self.fingerprint = manager.storage.layout.fingerprint()
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
         self.poller = zmq.Poller()
@@ -93,7 +71,8 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         self.streams: StreamListener | None = None
         if config.data_plane == "stream":
             scheme, where = parse_address(self.address)
-            self.streams = StreamListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics)
+            self.streams = StreamListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics,
+                                          self.refusals)
             if scheme == "ipc":
                 self.streams.listen_unix(where + ".data")
             self.poller.register(self.streams.wake_fd, zmq.POLLIN)
@@ -116,6 +95,10 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
                 return result
             self._expire()
             now = time.monotonic()
+            if now >= self.idle.next_sweep:  # unauthenticated state and connections past their bound
+                self.idle.next_sweep = now + min(1.0, self.config.preauth_s / 4)
+                self.peers.sweep(now)
+                self.idle.sweep(now)
             if now >= deadline:
                 return None
             wait = deadline - now
@@ -135,7 +118,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.active.values()}
 
     def close(self) -> None:
-        for p in list(self.peers.values()):
+        for p in self.peers.values():
             if p.landing is not None:  # NOTE: its reader stops before the blocks are freed
                 self.streams.cancel(p.landing)
                 p.landing = None
@@ -144,6 +127,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
                 p.session = None
         if self.streams is not None:
             self.streams.close()
+        self.idle.close()
         self.sock.close(0)
         self.ctx.term()
         for endpoint in self._bound:  # ZeroMQ leaves ipc:// socket files behind
@@ -162,26 +146,13 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             n += 1
         return n
 
-    def _peer(self, ident: bytes) -> _Peer:
-        p = self.peers.get(ident)
-        if p is None:
-            if len(self.peers) >= MAX_PEERS:  # forget the least recently heard idle connection
-                for k, old in self.peers.items():
-                    if old.session is None:
-                        del self.peers[k]
-                        break
-            p = self.peers[ident] = _Peer(ident, self.active)
-        else:
-            self.peers.move_to_end(ident)
-        return p
-
     def _send(self, ident: bytes, header: bytes, msg) -> None:
         try:
             self.sock.send_multipart([ident, header, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             self.metrics.add("replies_dropped")
 
-    def _fail(self, ident: bytes, peer: _Peer, err: TransferError, counted: bool = False):
+    def _fail(self, ident: bytes, peer: Peer, err: TransferError, counted: bool = False):
         """Abort the peer's transfer (if any), nack it, count the error once, and raise it."""
         s, peer.session = peer.session, None
         if peer.landing is not None:  # NOTE: its reader stops before the blocks are freed
@@ -212,11 +183,14 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
 
     def _handle(self) -> ImportResult | None:
         sock = self.sock
-        ident = sock.recv()
+        first = sock.recv(copy=False)
+        ident = first.bytes
         if not self._more():
             return None
         frame = sock.recv(copy=False)
-        peer = self._peer(ident)
+        peer = self.peers.get(ident)
+        if peer.plan is None and peer.session is None:  # NOTE: nothing but a hello is read before one
+            return self._stranger(ident, peer, first, frame)
         if len(frame) > 64:
             self._drain()
             return self._garbled(ident, peer, MalformedMessage(f"header of {len(frame)} bytes"))
@@ -258,12 +232,32 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
                 raise
         return self._garbled(ident, peer, MalformedMessage(f"unknown message header {bytes(header[:16])!r}"))
 
-    def _garbled(self, ident: bytes, peer: _Peer, err: TransferError):
+    def _stranger(self, ident: bytes, peer: Peer, first, frame) -> None:
+        """A message from a peer without a completed handshake: a hello is checked (`_hello`),
+        anything else is refused unread. Nothing raised here leaves `poll`."""
+        with contextlib.suppress(zmq.ZMQError):
+            peer.fd = first.get(zmq.SRCFD)  # its connection: trusted once the hello passes (zmq_peers)
+        try:
+            header = frame.bytes
+            if header != b"H" or not self._more():
+                self._drain()  # answered under the header the sender waits on (q, A+token), else N
+                reply = b"q" if header == b"Q" else b"N"
+                if len(header) == TOKEN.size and header[:1] in b"MSOEF":
+                    reply = TOKEN.pack(b"A", TOKEN.unpack(header)[1])
+                return self._turn_away(ident, reply, HandshakeRequired("no completed handshake"))
+            body = self.sock.recv(copy=False)
+            if self._drain():
+                raise MalformedMessage("hello with extra parts")
+        except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
+            return self._turn_away(ident, b"h", as_refusal(e))
+        return self._hello(ident, peer, body.buffer)  # refuses whatever fails before authentication
+
+    def _garbled(self, ident: bytes, peer: Peer, err: TransferError):
         if peer.session is not None:
             return self._fail(ident, peer, err)
         return self._refuse(ident, b"N", err)
 
-    def _manifest(self, ident: bytes, peer: _Peer, token: int, body, streamed: bool = False) -> None:
+    def _manifest(self, ident: bytes, peer: Peer, token: int, body, streamed: bool = False) -> None:
         header = TOKEN.pack(b"A", token)
         if token == peer.token:  # a duplicated manifest: served, refused or being served already
             self.metrics.add("duplicate_manifests")
@@ -274,12 +268,12 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             except TransferError:
                 pass
         peer.token = token  # a repeat of this manifest is a duplicate from now on, refused or not
+        if peer.plan is None:  # NOTE: refused unread
+            return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
         try:
             m = decode(unseal(body), self.config.limits, Manifest)
         except TransferError as e:
             return self._refuse(ident, header, e)
-        if peer.plan is None:
-            return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
             return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
         self._supersede(m)

@@ -30,7 +30,7 @@ from transfer.reblock import CompatPlan, check_compatible
 from transfer.stream_export import offer_for
 from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
-from transfer.transport import RECEIVER_PHASES, TransportConfig, make_hello, migrate
+from transfer.transport import RECEIVER_PHASES, TransportConfig, check_reply, make_hello, migrate
 from transfer.zmq_wire import DATA, TOKEN
 
 
@@ -103,10 +103,12 @@ class ZmqSender:
         deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
         scheme, where = parse_address(self.config.address)
         want = scheme if self.config.data_plane == "stream" else ""
-        self.sock.send_multipart([b"H", encode(make_hello(self.fingerprint, self.config, want))])
+        hello = make_hello(self.fingerprint, self.config, want)
+        self.sock.send_multipart([b"H", encode(hello)])
         _, body = self._wait((b"h",), deadline, "handshake reply")
         reply = _reply_of(self, body, HelloReply)
         try:
+            check_reply(reply, hello, self.config)  # signed for this hello, by the receiver we meant
             self.plan = check_compatible(self.fingerprint, reply.fingerprint)
         except TransferError as e:
             self.metrics.record_error(e)

@@ -21,7 +21,6 @@ import struct
 
 DATA = struct.Struct("<cQIIQ")  # b"D", token, frame, chunk, checksum
 TOKEN = struct.Struct("<cQ")    # b"M" / b"E" / b"A", token
-MAX_PEERS = 4096                # receiver-side connection states kept
 
 
 def bind_address(address: str) -> str:

@@ -1,0 +1,69 @@
+"""The data stream's opening, before its token is checked (`stream_receiver`): unauthenticated
+connections wait in the accept thread's selector, never on a thread of their own, at most
+`MAX_OPENING` at once (apart from the `MAX_STREAMS` slots of opened streams), and each has one
+total deadline (`TransportConfig.stream_open_s`, about a second) for its whole opening message,
+however slowly its bytes trickle in. A connection refused for capacity is told so with one byte
+(`BUSY`) before it is closed, so its sender does not blame its token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+from transfer.stream_wire import OPEN
+
+MAX_OPENING = 64  # connections still sending their opening message
+BUSY, OPENED = b"B", b"K"  # the receiver's one-byte answers to an opening
+
+
+class Opening:
+    """One accepted connection still reading its opening message (non-blocking)."""
+
+    def __init__(self, conn: socket.socket, deadline: float):
+        self.conn, self.deadline, self.buf = conn, deadline, bytearray()
+
+    def read(self) -> bool | None:
+        """Read what arrived: True once the whole message is in, None when the peer closed."""
+        try:
+            got = self.conn.recv(OPEN.size - len(self.buf))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return None
+        if not got:
+            return None
+        self.buf += got
+        return len(self.buf) == OPEN.size
+
+
+def accept(listener: socket.socket, sel, openings: dict, open_s: float, refusals) -> None:
+    """A new connection waits for its opening message in the selector, if there is room."""
+    import selectors
+
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return
+    if len(openings) >= MAX_OPENING:
+        refusals.refuse("stream_busy", f"{len(openings)} connections already opening")
+        return turn_away(conn, BUSY)
+    conn.setblocking(False)
+    openings[conn] = Opening(conn, time.monotonic() + open_s)
+    sel.register(conn, selectors.EVENT_READ)
+
+
+def turn_away(conn: socket.socket, answer: bytes = b"") -> None:
+    """Close a connection without blocking, after one byte of answer if given."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        if answer:
+            conn.send(answer)
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def expired(openings: dict, now: float | None = None) -> list[Opening]:
+    now = time.monotonic() if now is None else now
+    return [op for op in openings.values() if op.deadline <= now]
