@@ -138,8 +138,8 @@ class _Snapshot:
 
 def worker_metrics_text(workers: list[dict]) -> str:
     """Per-worker gauges from dicts with keys name, role and any of total_blocks, used_blocks,
-    free_blocks, cached_blocks, tail_waste_slots, queue_depth, running, and the cumulative
-    preemptions, alloc_calls and alloc_seconds."""
+    free_blocks, cached_blocks, tail_waste_slots, queue_depth, running, step_budget, and the
+    cumulative preemptions, alloc_calls, alloc_seconds and kv_refused_<reason>."""
     blocks = GaugeMetricFamily("pdserve_pool_blocks", "KV pool blocks per worker by state",
                                labels=["worker", "role", "state"])
     waste = GaugeMetricFamily("pdserve_pool_tail_waste_slots", "Allocated but unfilled token slots in "
@@ -154,8 +154,17 @@ def worker_metrics_text(workers: list[dict]) -> str:
     alloc_s = CounterMetricFamily("pdserve_block_allocation_seconds", "Time spent in those calls (divide "
                                   "by pdserve_block_allocations for the mean allocation latency)",
                                   labels=["worker", "role"])
+    refused = CounterMetricFamily("pdserve_kv_refusals", "Unauthenticated or malformed KV-link input a "
+                                  "worker refused, by reason", labels=["worker", "role", "reason"])
+    step = GaugeMetricFamily("pdserve_worker_step_budget_tokens", "Token budget of a worker's next engine "
+                             "step (paced by time: engine.step_pacer)", labels=["worker", "role"])
     for w in workers:
         key = [str(w.get("name", "?")), str(w.get("role", "?"))]
+        for field, value in w.items():
+            if field.startswith("kv_refused_") and isinstance(value, (int, float)):
+                refused.add_metric(key + [field[len("kv_refused_"):]], float(value))
+        if isinstance(w.get("step_budget"), (int, float)):
+            step.add_metric(key, float(w["step_budget"]))
         for state in ("total", "used", "free", "cached"):
             if f"{state}_blocks" in w:
                 blocks.add_metric(key + [state], float(w[f"{state}_blocks"]))
@@ -164,5 +173,5 @@ def worker_metrics_text(workers: list[dict]) -> str:
             if field in w:
                 fam.add_metric(key, float(w[field]))
     reg = CollectorRegistry()
-    reg.register(_Snapshot([blocks, waste, queue, running, preempt, allocs, alloc_s]))
+    reg.register(_Snapshot([blocks, waste, queue, running, preempt, allocs, alloc_s, refused, step]))
     return generate_latest(reg).decode()

@@ -114,3 +114,13 @@ def test_heartbeats_keep_coming_while_the_loop_is_wedged_and_say_so():
         assert "wedged" in state.why_not_alive(0.5)
         assert time.monotonic() - state.last_seen < 0.5  # not silent: its process is alive
         worker.shutdown()
+
+
+def test_worker_metrics_export_kv_refusals_and_the_step_budget():
+    from coordinator.metrics import worker_metrics_text
+
+    text = worker_metrics_text([{"name": "decode-0", "role": "decode", "kv_refused_limits": 3,
+                                 "kv_refused_malformed": 1, "kv_refusals": 4, "step_budget": 52}])
+    assert 'pdserve_kv_refusals_total{reason="limits",role="decode",worker="decode-0"} 3.0' in text
+    assert 'pdserve_kv_refusals_total{reason="malformed",role="decode",worker="decode-0"} 1.0' in text
+    assert 'pdserve_worker_step_budget_tokens{role="decode",worker="decode-0"} 52.0' in text
