@@ -36,12 +36,14 @@ HTTP_KINDS = {  # name -> (path, body bytes, extra headers)
 KV_KINDS = ("hello_tag_not_ascii", "hello_oversized", "query_before_hello", "garbage")
 
 
-def _post(port: int, path: str, body: bytes, headers: dict, timeout_s: float = 30.0) -> int:
+def _request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+             timeout_s: float = 30.0) -> int:
     """The HTTP status (0: no response within the bound or the connection cut)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        conn.putrequest("POST", path)
-        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)), **headers}.items():
+        conn.putrequest(method, path)
+        extra = {} if body is None else {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        for k, v in {**extra, **(headers or {})}.items():
             conn.putheader(k, v)
         conn.endheaders(body)
         resp = conn.getresponse()
@@ -62,7 +64,7 @@ def send_http(port: int, repeats: int = REPEATS) -> dict:
     for name, (path, body, headers) in HTTP_KINDS.items():
         counts: dict = {"2xx": 0, "4xx": 0, "5xx": 0, "no_response": 0}
         for _ in range(repeats):
-            b = _bucket(_post(port, path, body, headers))
+            b = _bucket(_request(port, "POST", path, body, headers))
             counts[b] = counts.get(b, 0) + 1
         out[name] = counts
     return out
@@ -123,19 +125,6 @@ def _workers(info: dict) -> dict[str, tuple[str, int]]:
     return {w["name"]: (w["role"], w.get("pid")) for w in info["workers"] if w["alive"]}
 
 
-def _health(port: int) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    except (OSError, http.client.HTTPException):
-        return 0
-    finally:
-        conn.close()
-
-
 def hostile_input(t) -> dict:
     """The phase's injector (bench.chaos_faults.Target): the detail dict, with `hostile` and
     `failures` (see the module docstring)."""
@@ -152,7 +141,7 @@ def hostile_input(t) -> dict:
     roles_before = [r for r, _ in before.values()]
     roles_after = [r for r, _ in after.values()]
     empty = sum(max(0, roles_before.count(r) - roles_after.count(r)) for r in set(roles_before))
-    health = _health(t.port)
+    health = _request(t.port, "GET", "/health", timeout_s=10)
     bad_http = sum(c["5xx"] + c["no_response"] for c in http_counts.values())
     failures = bad_http + len(restarted) + empty + (health != 200)
     return {"hostile": {"http": http_counts, "kv": kv_counts, "kv_target": decode["name"],

@@ -13,11 +13,10 @@ from __future__ import annotations
 from transfer.admission import refused
 from transfer.codec import decode, encode
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
-from transfer.messages import Held, Hello, HelloReply, Nack
+from transfer.messages import Held, HelloReply, Nack
 from transfer.ray_shm import open_peer_pool
 from transfer.reblock import check_compatible
-from transfer.refusals import as_refusal, too_big
-from transfer.transport import hello_is_genuine, sign_reply
+from transfer.transport import authenticate_hello, sign_reply
 
 MAX_CONNECTIONS = 4096  # handshaken connections remembered (the oldest forgotten first)
 
@@ -34,14 +33,9 @@ class RayHandshakeMixin:
     def kv_hello(self, conn: str, data: bytes) -> bytes:
         try:
             conn = str(conn)[:128]
-            err = too_big(len(memoryview(data).cast("B")), "hello")
-            if err is not None:
-                raise err  # NOTE: refused unread
-            hello = decode(data, self.config.limits, Hello)
-            if not hello_is_genuine(hello, self.config, self._nonces):
-                raise refused()  # NOTE: before anything about this receiver is revealed
-        except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
-            return self._turn_away(as_refusal(e))
+            hello = authenticate_hello(data, len(memoryview(data).cast("B")), self.config, self._nonces)
+        except TransferError as e:
+            return self._turn_away(e)
         try:  # authenticated from here on
             plan = check_compatible(hello.fingerprint, self.fingerprint)
         except TransferError as e:

@@ -127,6 +127,27 @@ def hello_is_genuine(hello, config: TransportConfig, seen: dict) -> bool:
     return hmac_verify(config.secret, hello.signed_fields(), hello.issued_at, hello.nonce, hello.tag, seen)
 
 
+def authenticate_hello(body, nbytes: int, config: TransportConfig, seen: dict):
+    """The Hello in `body` once it is small enough, decodes and is genuine (`hello_is_genuine`);
+    otherwise a TransferError refusal is raised. Convention 15: before authentication every
+    exception is a refusal, and a body over the hello limit is refused unread."""
+    from transfer.admission import refused
+    from transfer.codec import decode
+    from transfer.messages import Hello
+    from transfer.refusals import as_refusal, too_big
+
+    try:
+        err = too_big(nbytes, "hello")
+        if err is not None:
+            raise err  # NOTE: refused unread
+        hello = decode(body, config.limits, Hello)
+        if not hello_is_genuine(hello, config, seen):
+            raise refused()  # NOTE: before anything about this receiver is revealed
+        return hello
+    except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
+        raise as_refusal(e) from None
+
+
 def sign_reply(reply, hello, config: TransportConfig):
     """The receiver's reply, signed and bound to the hello it answers (its nonce and timestamp)."""
     import dataclasses

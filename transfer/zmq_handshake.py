@@ -12,10 +12,9 @@ from __future__ import annotations
 from transfer.admission import refused
 from transfer.codec import decode
 from transfer.errors import MalformedMessage, TransferError
-from transfer.messages import Held, Hello, HelloReply, Nack, Query
+from transfer.messages import Held, HelloReply, Nack, Query
 from transfer.reblock import check_compatible
-from transfer.refusals import as_refusal, too_big
-from transfer.transport import hello_is_genuine, sign_reply
+from transfer.transport import authenticate_hello, sign_reply
 
 
 class HandshakeMixin:
@@ -32,14 +31,9 @@ class HandshakeMixin:
     def _hello(self, ident: bytes, peer, body) -> None:
         peer.plan = None  # a new handshake replaces the old one, whatever its outcome
         try:
-            err = too_big(body.nbytes, "hello")
-            if err is not None:
-                raise err  # NOTE: refused unread
-            hello = decode(body, self.config.limits, Hello)
-            if not hello_is_genuine(hello, self.config, self._nonces):
-                raise refused()  # NOTE: before anything about this receiver is revealed
-        except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
-            return self._turn_away(ident, b"h", as_refusal(e))
+            hello = authenticate_hello(body, body.nbytes, self.config, self._nonces)
+        except TransferError as e:
+            return self._turn_away(ident, b"h", e)
         try:  # authenticated from here on: a mismatch is the peer's error, raised as before
             plan = check_compatible(hello.fingerprint, self.fingerprint)
         except TransferError as e:
