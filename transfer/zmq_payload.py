@@ -122,6 +122,14 @@ class PayloadMixin:
         if s is None or token != peer.token or (peer.awaits_final and peer.final is None):
             self.metrics.add("stray_ends")
             return None
+        if peer.landing is not None:  # NOTE: its payload is still landing on the data stream
+            # An end marker on the control socket does not finish a streamed transfer (its stream's
+            # END does): committing here would race the reader thread (a commit that fails or not
+            # depending on which socket won, beside a reader still in the session) and leave the
+            # landing on the peer, so the connection's next transfer would drop its chunks as
+            # stray. The commit runs when the landing finishes (`_landed`), bounded by its timeouts.
+            self.metrics.add("ends_before_landing")
+            return None
         s.timings["recv_ms"] = (time.perf_counter() - peer.t0) * 1e3
         try:
             result = s.commit()
