@@ -105,7 +105,11 @@ def run(json_path: str | None = None, steps: int = 16, rounds: int = 3) -> dict:
 
     if not cpu_attention.available():
         raise SystemExit("the CPU decode kernel is not available (no C compiler?): nothing to compare")
+    from bench.machine import describe, summary
+
     torch.set_num_threads(1)
+    where = describe()
+    print(summary(where), flush=True)
     results = []
     for i, case in enumerate(CASES):
         print(f"[{i + 1}/{len(CASES)}] {case[0]}: {case[5]} sequences, contexts {case[6]}..{case[7]}",
@@ -116,7 +120,8 @@ def run(json_path: str | None = None, steps: int = 16, rounds: int = 3) -> dict:
         print(f"    {times}; kernel {r['kernel_speedup_vs_mirror']:.2f}x the mirror, "
               f"{r['kernel_speedup_vs_gather']:.2f}x the gather, "
               f"{r['kernel_kv_gbytes_per_s']:.1f} GB/s of K/V", flush=True)
-    report = {"config": {"steps_per_block": steps, "rounds": rounds, "block_size": BLOCK, "torch_threads": 1},
+    report = {"machine": where,
+              "config": {"steps_per_block": steps, "rounds": rounds, "block_size": BLOCK, "torch_threads": 1},
               "cases": results}
     if json_path:
         with open(json_path, "w") as f:

@@ -22,7 +22,7 @@ DEFAULT_MODEL = "smollm2"
 
 
 def run(out: str = "out/demo", transport: str = "zmq", block_size: int = 16,
-        decode_block_size: int = 0, model: str = DEFAULT_MODEL) -> int:
+        decode_block_size: int = 0, model: str = DEFAULT_MODEL, weights: str = "f32") -> int:
     """Both steps; 0 on success, 2 when the shipped scenario cannot be read."""
     from bench.sim.report import load, run_and_report, source_name
     from bench.sim.scenario import ScenarioError
@@ -38,8 +38,8 @@ def run(out: str = "out/demo", transport: str = "zmq", block_size: int = 16,
     run_and_report(scenario, source, os.path.join(out, "simulate.json"), os.path.join(out, "simulate.png"))
     print()
     print(f"== 2. Disaggregated cluster: 1 prefill + 1 decode worker, model {model}, "
-          f"{transport} transport ==")
-    return _cluster_demo(transport, block_size, decode_block_size, model)
+          f"{transport} transport, {weights} weights ==")
+    return _cluster_demo(transport, block_size, decode_block_size, model, weights)
 
 
 def _post(base: str, body: dict, path: str = "/v1/completions") -> dict:
@@ -101,7 +101,8 @@ def printable(text: str) -> str:
     return " ".join(text.split()) or "(empty)"
 
 
-def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model: str) -> int:
+def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model: str,
+                  weights: str = "f32") -> int:
     from coordinator.cluster import ClusterConfig
     from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray
 
@@ -110,7 +111,8 @@ def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model
     # a step budget of 128 tokens: the long prompt below prefills in chunks, and its KV streams out
     srv = ClusterServer(ClusterConfig(prefill=1, decode=1, transport=transport, model=model,
                                       block_size=block_size, decode_block_size=decode_block_size,
-                                      engine={"scheduler": {"max_num_batched_tokens": 128}}))
+                                      engine={"scheduler": {"max_num_batched_tokens": 128},
+                                              "weights": weights}))
     try:
         port = srv.start()
         base = f"http://127.0.0.1:{port}"

@@ -102,7 +102,10 @@ def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size
     wall = time.perf_counter() - t0
     outs = [r.seqs[0].output_ids for r in reqs]
     tokens = sum(len(o) for o in outs)
+    from bench.machine import engine_paths
+
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": len(steps),
+            "paths": engine_paths(eng),
             "step_ms": _percentiles([ms for ms, _ in steps]),
             "prefill_step_ms": _percentiles([ms for ms, prefill in steps if prefill]),
             "decode_step_ms": _percentiles([ms for ms, prefill in steps if not prefill]),
@@ -163,6 +166,10 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
         max_batched_tokens = DEFAULT_BUDGET.get(model, OTHER_BUDGET)
     min_prompt = low if min_prompt is None else min_prompt
     max_prompt = high if max_prompt is None else max_prompt
+    from bench.machine import describe, summary
+
+    where = describe()
+    print(summary(where), flush=True)
     engine_runs, hf_runs = [], []
     with tempfile.TemporaryDirectory() as d:
         engine_model, hf_dir, gguf_file = resolve_model(model, d, seed)
@@ -188,7 +195,8 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
         x.pop("outputs")
     med = lambda runs: statistics.median(x["tokens_per_s"] for x in runs)  # noqa: E731
     ratios = [e["tokens_per_s"] / h["tokens_per_s"] for e, h in zip(engine_runs, hf_runs)]
-    result = {"config": {"model": model, "preset": preset, "num_prompts": num_prompts,
+    where["paths"] = engine_runs[0]["paths"]
+    result = {"machine": where, "config": {"model": model, "preset": preset, "num_prompts": num_prompts,
                          "max_tokens": max_tokens, "prompt_len": [min_prompt, max_prompt],
                          "block_size": block_size, "max_batched_tokens": max_batched_tokens, "dtype": dtype,
                          "device": device, "torch_threads": torch.get_num_threads(), "repeats": repeats},

@@ -235,8 +235,9 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
-    """Run every point and the baselines; returns {"results": [...], "baselines": [...],
-    "timeline": [...]} (timeline: one record per timed migration, see `bench.migrate_trace`)."""
+    """Run every point and the baselines; returns {"machine": bench.machine.describe(), "results":
+    [...], "baselines": [...], "timeline": [...]} (timeline: one record per timed migration, see
+    `bench.migrate_trace`)."""
     shapes = [(name, parse_kv_shape(name)) for name in cfg.kv_shapes]
     unknown = set(cfg.transports) - set(TRANSPORTS)
     if unknown:
@@ -244,6 +245,10 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     if cfg.device != "cpu" and any(t.startswith("ray") for t in cfg.transports):
         raise ValueError("device pools are benchmarked over the zmq transports only "
                          "(--transports zmq-tcp,zmq-ipc)")
+    from bench.machine import describe, summary
+
+    where = describe()  # convention 16: where it ran, bandwidth measured before any point
+    log(summary(where))
     gen = torch.Generator().manual_seed(1234)
     total = len(shapes) * len(cfg.block_sizes) * len(cfg.tokens) * len(cfg.transports)
     count, t_start = [0], time.monotonic()
@@ -282,5 +287,6 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             import ray
 
             ray.shutdown()
-    return {"results": results, "baselines": base.rows if base is not None else [], "timeline": timeline}
+    return {"machine": where, "results": results, "baselines": base.rows if base is not None else [],
+            "timeline": timeline}
 

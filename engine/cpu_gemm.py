@@ -56,11 +56,15 @@ class Projection(torch.nn.Linear):
     """nn.Linear that runs through its PackedLinear once `pack_cpu` gave it one."""
 
     packed: PackedLinear | None = None
+    lowp = None  # engine.cpu_lowp.LowpLinear: bf16/int8 weights for a few rows (engine.weight_format)
 
     def pack_cpu(self, enabled: bool, min_elements: int = MIN_PACKED_ELEMENTS) -> None:
         """Pack the current weight (enabled, and where `pack` applies) or drop the packed copy."""
         self.packed = pack(self.weight, self.bias, min_elements) if enabled else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        lowp = self.lowp
+        if lowp is not None and x.dim() == 2 and x.shape[0] <= lowp.max_rows:
+            return lowp(x)  # (M, out)
         packed = self.packed
         return F.linear(x, self.weight, self.bias) if packed is None else packed(x)

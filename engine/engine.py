@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import cpu_attention
+from engine import cpu_attention, weight_format
 from engine.attention import get_backend
 from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
@@ -49,6 +49,8 @@ class EngineConfig:
                                      # elementwise steps (engine.cpu_kernels; torch paths without a compiler)
     decode_mirror: bool = True       # torch backend without that kernel: decode reads a per-slot K/V buffer
     cpu_gemm: bool = True            # CPU float32: matmuls via oneDNN, weights packed once (a 2nd copy)
+    weights: str = "f32"             # CPU float32: matrices stored 'f32', 'bf16' or 'int8' (per-row scale);
+                                     # decode rows read those bytes (engine.weight_format)
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
@@ -56,6 +58,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.scheduler, dict):  # from a worker's config dict (YAML, ClusterConfig.engine)
             object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
+        weight_format.check_name(self.weights)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
@@ -79,7 +82,8 @@ class LLMEngine:
         self.backend = get_backend(config.attention_backend, self.device)
         if loaded is None:
             loaded = load_model(config.model, device=config.device, dtype=config.dtype, backend=self.backend,
-                                cpu_gemm=config.cpu_gemm, cpu_fused=config.cpu_kernels)
+                                cpu_gemm=config.cpu_gemm, cpu_fused=config.cpu_kernels,
+                                weights=config.weights)
         self.model, self.model_config, self.tokenizer = loaded
         self.model_id = model_identity(self.model_config, self.model)
         kv_dtype = dtype_name(next(self.model.parameters()).dtype)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from engine import weight_format
 from engine.attention import AttentionBackend, get_backend
 from engine.config import ModelConfig
 from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
@@ -43,13 +44,14 @@ def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None) -> torc
 
 
 def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               backend: AttentionBackend | str | None = None, cpu_gemm: bool = True, cpu_fused: bool = True
-               ) -> tuple[LlamaModel, ModelConfig, ByteTokenizer | HFTokenizer]:
+               backend: AttentionBackend | str | None = None, cpu_gemm: bool = True, cpu_fused: bool = True,
+               weights: str = "f32") -> tuple[LlamaModel, ModelConfig, ByteTokenizer | HFTokenizer]:
     """Returns (model in eval mode on `device`, its config with the dtype it runs in, tokenizer).
 
     backend: an AttentionBackend, a backend name ('torch', 'triton', 'auto') or None (auto).
     cpu_gemm: float32 on CPU, projections through oneDNN with packed weights (engine.cpu_gemm).
     cpu_fused: float32 on CPU, RMSNorm, rotary and SwiGLU through compiled kernels (engine.cpu_fused).
+    weights: float32 on CPU, the matrices' storage format (engine.weight_format: f32, bf16, int8).
     """
     device = torch.device(device)
     run_dtype = resolve_dtype(device, dtype)
@@ -75,6 +77,7 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         load_weights(model, directory)
         tokenizer = load_tokenizer(directory, config)
     model.eval().requires_grad_(False)
+    weight_format.apply(model, weights)  # before packing: oneDNN packs the rounded weights
     model.pack_cpu_gemm(cpu_gemm)  # a no-op off CPU float32
     model.use_cpu_fused(cpu_fused)  # likewise
     config = dataclasses.replace(config, dtype=dtype_name(run_dtype))

@@ -159,6 +159,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else Projection(config.hidden_size, config.vocab_size, bias=False))
         self.logits_packed: PackedLinear | None = None  # set by pack_cpu_gemm
+        self.logits_lowp = None  # engine.cpu_lowp.LowpLinear for a few rows, set by engine.weight_format
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """Every parameter under its checkpoint key (without "model."), in the order an unfused
@@ -238,6 +239,9 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., hidden) -> logits (..., vocab) in float32."""
+        lowp = self.logits_lowp
+        if lowp is not None and hidden.dim() == 2 and hidden.shape[0] <= lowp.max_rows:
+            return lowp(hidden)  # (S, vocab)
         if self.logits_packed is not None:
             return self.logits_packed(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

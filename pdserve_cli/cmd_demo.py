@@ -12,6 +12,8 @@ The demo itself is `bench.demo`.
 
 from __future__ import annotations
 
+from pdserve_cli import weights_arg
+
 NAME = "demo"
 GROUP = None
 HELP = "run the main demo: allocator-policy simulator, then a 1 prefill + 1 decode cluster on local Ray"
@@ -25,10 +27,12 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="prefill worker's KV block size")
     p.add_argument("--decode-block-size", type=int, default=0,
                    help="decode worker's KV block size (0: same; a different one is re-blocked)")
+    weights_arg.add_argument(p, "bf16")
 
 
 def run(args) -> int:
     from bench.demo import run as demo
 
     return demo(out=args.out, transport=args.transport, block_size=args.block_size,
-                decode_block_size=args.decode_block_size, model=args.model)
+                decode_block_size=args.decode_block_size, model=args.model,
+                weights=weights_arg.resolve(args.weights, "cpu"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from pdserve_cli import weights_arg
+
 NAME = "generate"
 GROUP = None
 HELP = "generate a completion in-process (--local) or through a running coordinator (--url)"
@@ -27,6 +29,7 @@ def add_arguments(p) -> None:
                    "directory (`pdserve models` lists where each is); with --url: the served model's "
                    "name (default: the server's)")
     p.add_argument("--device", default="cpu")
+    weights_arg.add_argument(p, "f32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -91,7 +94,7 @@ def _local(args, ids: list[int] | None) -> dict:
 
     params = _params(args)
     config = EngineConfig(model=args.model or LOCAL_DEFAULT_MODEL, device=args.device,
-                          block_size=args.block_size)
+                          block_size=args.block_size, weights=args.weights or "f32")
     engine = LLMEngine(config)
     if ids is None:
         ids = engine.tokenizer.encode(args.prompt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from pdserve_cli import api_key as api_key_args
+from pdserve_cli import weights_arg
 
 NAME = "serve"
 GROUP = None
@@ -28,6 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     api_key_args.add_arguments(p)
+    weights_arg.add_argument(p)
 
 
 def _fail(msg: str) -> int:
@@ -48,7 +50,8 @@ def run(args) -> int:
         api_key = api_key_args.resolve(args)
         # steps paced to ~0.25 s (engine.step_pacer): a burst of long prompts cannot stall decoding
         cfg = EngineConfig(model=args.model, device=args.device, block_size=args.block_size,
-                           num_blocks=args.num_blocks, scheduler=SchedulerConfig(step_target_s=0.25))
+                           num_blocks=args.num_blocks, scheduler=SchedulerConfig(step_target_s=0.25),
+                           weights=weights_arg.resolve(args.weights, args.device))
         backend = LocalEngineBackend(cfg, config=LocalBackendConfig(name=args.served_model_name))
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0])

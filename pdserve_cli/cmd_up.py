@@ -16,6 +16,7 @@ import os
 import sys
 
 from pdserve_cli import api_key as api_key_args
+from pdserve_cli import weights_arg
 
 NAME = "up"
 GROUP = None
@@ -60,6 +61,7 @@ def add_arguments(p) -> None:
                    "local one")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default 2; ignored with --address)")
     api_key_args.add_arguments(p)
+    weights_arg.add_argument(p, "the config's engine.weights, else bf16 on CPU and f32 on GPUs")
     p.add_argument("--max-active", type=int, help="completion requests in flight before new ones get 429 "
                    "with Retry-After (default 256)")
     p.add_argument("--max-waiting", type=int, help="requests waiting for decode room before new ones get "
@@ -111,10 +113,14 @@ def run(args) -> int:
 
     try:
         device, api_key = getattr(args, "device", None), api_key_args.resolve(args)
+        weights = getattr(args, "weights", None)
         args, extras = _settings(args)
         http_extras = {k: extras.pop(k) for k in HTTP_KEYS if k in extras}
         if device:  # the flag wins over the config file's engine.device
             extras["engine"] = {**extras.get("engine", {}), "device": device}
+        engine = extras.get("engine", {})
+        if weights or "weights" not in engine:  # the flag, else the file's, else the device's default
+            extras["engine"] = {**engine, "weights": weights_arg.resolve(weights, engine.get("device"))}
     except (OSError, ValueError) as e:
         return _fail(str(e).splitlines()[0])
     except Exception as e:  # a YAML syntax error
