@@ -1,11 +1,13 @@
-"""`pdserve bench serve`: disaggregated against colocated serving under the same open-loop load.
+"""`pdserve bench serve`: disaggregated, colocated and per-request serving under the same open-loop load.
 
 For each setup it brings a cluster up with `deploy.launch.ClusterServer` on one embedded local
 Ray (started once; clusters brought up one after another and always shut down), or targets a
 running coordinator (`url`, one mode named by `mode`). The setups: the disaggregated mode once
 per `streamed` value (KV migration streamed while the prompt is still prefilling, and whole after
-it; `ClusterConfig.stream_migration`), so one invocation compares the two, and the colocated mode
-once. Every setup's engines get the same engine settings, the step budget included
+it; `ClusterConfig.stream_migration`), so one invocation compares the two, the colocated mode
+once, and the per-request mode once (`disaggregate='auto'`, coordinator.decide; runs record the
+paths taken); the `mixed` preset (bench.serve_mixed) is its workload.
+Every setup's engines get the same engine settings, the step budget included
 (`step_budget` tokens per engine step, 512 by default: below most of the long-prompt preset's
 prompts, so they prefill in chunks and a disaggregated prompt's KV can leave while it computes;
 the colocated engines get the same budget, so neither mode gets a bigger batch).
@@ -37,9 +39,10 @@ from bench import loadgen
 from bench.loadgen import RequestRecord, RequestSpec, Workload, make_requests, preset
 from bench.serve_client import load_in_subprocess
 from bench.serve_metrics import SLO, mean_or_none, percentiles, present, summarize, ttft_ms
+from bench.serve_mixed import mixed_requests, path_counts
 from bench.serve_report import fmt, format_run
 
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "per_request")
 FULL_REQUESTS = 200  # per point in a full run: p99 then sits between the 2nd and 3rd slowest
 P99_BELOW_MAX = 101  # fewer requests than this: numpy's p99 interpolates with the slowest one
 
@@ -113,6 +116,8 @@ def setups(cfg: ServeBenchConfig) -> list[tuple[str, bool]]:
     for mode in cfg.modes:
         if mode == "colocated":
             out.append((mode, False))
+        elif mode == "per_request":  # once, with the cluster's default migration
+            out.append((mode, cfg.transport == "zmq"))
         else:  # streaming is a zmq transport feature: under ray both settings run whole migrations
             out += [(mode, s) for s in (cfg.streamed if cfg.transport == "zmq" else (False,))]
     return out
@@ -120,13 +125,22 @@ def setups(cfg: ServeBenchConfig) -> list[tuple[str, bool]]:
 
 def label(mode: str, streamed: bool) -> str:
     """A setup's name in the report: 'disaggregated' (streamed, the cluster default),
-    'disaggregated-whole' (stream_migration off), 'colocated'."""
+    'disaggregated-whole' (stream_migration off), 'colocated', 'per-request'."""
+    if mode == "per_request":
+        return "per-request"
     return f"{mode}-whole" if mode == "disaggregated" and not streamed else mode
 
 
 # ---- running ---------------------------------------------------------------------------------
 def _workload(cfg: ServeBenchConfig, rate: float, n: int, seed: int) -> Workload:
     return preset(cfg.preset, rate, n, seed)
+
+
+def _requests(cfg: ServeBenchConfig, rate: float, n: int, seed: int) -> list[RequestSpec]:
+    if cfg.preset == "mixed":
+        return mixed_requests(rate, n, seed)
+    return make_requests(_workload(cfg, rate, n, seed))
+
 
 
 def _progress(log, name: str, total: int):
@@ -154,7 +168,7 @@ def measure_overhead(url: str, cfg: ServeBenchConfig, log) -> dict:
     """Requests one at a time: max_tokens=1 (prefill only, never migrated) against full ones of
     the same prompt lengths (fresh prompts each, so no prefix-cache hits)."""
     n = cfg.overhead_requests
-    base = make_requests(_workload(cfg, 1.0, n, cfg.seed + 1000))
+    base = _requests(cfg, 1.0, n, cfg.seed + 1000)
     rng, (lo, hi) = np.random.default_rng(cfg.seed + 2000), loadgen.PROMPT_ID_RANGE
     full = [replace(s, prompt=[int(x) for x in rng.integers(lo, hi, size=len(s.prompt))]) for s in base]
     only = [replace(s, max_tokens=1) for s in base]
@@ -185,30 +199,33 @@ def bench_target(url: str, mode: str, cfg: ServeBenchConfig, log,
     """Warm-up, overhead, then one run per rate against the coordinator at `url`. streamed: the
     cluster's stream_migration (None: unknown, a run is labelled by whether any migration streamed)."""
     if cfg.warmup_requests:
-        _sequential(url, make_requests(_workload(cfg, 1.0, cfg.warmup_requests, cfg.seed + 3000)), cfg)
+        _sequential(url, _requests(cfg, 1.0, cfg.warmup_requests, cfg.seed + 3000), cfg)
     overhead = measure_overhead(url, cfg, log) if cfg.overhead_requests else None
     if overhead is not None:
         overhead.update(mode=mode, streamed=bool(streamed) if streamed is not None
                         else overhead["full"]["streamed_migrations"] > 0)
     runs = []
     for i, rate in enumerate(cfg.rates):
-        specs = make_requests(_workload(cfg, rate, cfg.num_requests, cfg.seed + 1 + i))
+        specs = _requests(cfg, rate, cfg.num_requests, cfg.seed + 1 + i)
         kind = "" if streamed is None or mode == "colocated" else ", streamed" if streamed else ", whole"
         name = f"{mode}{kind} @ {rate:g} req/s"
         log(f"{name}: {len(specs)} requests, {cfg.preset}")
+        before = path_counts(url)  # per request: where each prompt was prefilled (coordinator.decide)
         records, dur, pid = _load(url, specs, cfg, _progress(log, name, len(specs)))
         run = {"mode": mode, "rate": rate, "num_requests": len(specs), **summarize(records, dur, cfg.slo)}
+        after = path_counts(url)
+        run["paths"] = {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)}
         run["streamed"] = bool(streamed) if streamed is not None else run["streamed_migrations"] > 0
         run["label"] = label(mode, run["streamed"])
         run["client_pid"] = pid
         if cfg.detailed:
             t0 = min(r.send_s for r in records)
             run["requests"] = [_detail(r, t0) for r in records]
-        log(f"  {format_run(run)}")
+        log(f"  {format_run(run)}" + (f"\n  paths: {run['paths']}" if run["paths"] else ""))
         expect = sum(r.ok and r.output_tokens > 1 for r in records) if mode == "disaggregated" else 0
-        if run["migrated"] != expect:  # say it: work not done where the mode says it is
+        if run["migrated"] != expect and mode != "per_request":  # say it: work done elsewhere
             log(f"  WARNING: {run['migrated']} requests report a KV migration; {mode} mode expects {expect}")
-        if streamed and run["streamed_migrations"] == 0:
+        if streamed and mode == "disaggregated" and run["streamed_migrations"] == 0:
             log("  WARNING: stream_migration is on but no migration streamed (prompts within one step?)")
         if streamed is False and run["streamed_migrations"]:
             log(f"  WARNING: stream_migration is off but {run['streamed_migrations']} migrations streamed")
@@ -231,8 +248,9 @@ def cluster_config(mode: str, cfg: ServeBenchConfig, streamed: bool = True):
     common = {"transport": cfg.transport, "model": "tiny", "block_size": cfg.block_size,
               "num_blocks": cfg.num_blocks, "start_timeout_s": cfg.start_timeout_s,
               "engine": {"scheduler": {"max_num_batched_tokens": cfg.step_budget}}}
-    if mode == "disaggregated":
-        return ClusterConfig(prefill=cfg.prefill, decode=cfg.decode, stream_migration=streamed, **common)
+    if mode in ("disaggregated", "per_request"):
+        return ClusterConfig(prefill=cfg.prefill, decode=cfg.decode, stream_migration=streamed,
+                             disaggregate="auto" if mode == "per_request" else "always", **common)
     try:
         return ClusterConfig(colocated=cfg.prefill + cfg.decode, stream_migration=False, **common)
     except TypeError:

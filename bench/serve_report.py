@@ -10,7 +10,8 @@ plotting. A report from before runs had labels reads as one setup per mode.
 
 from __future__ import annotations
 
-COLORS = {"disaggregated": "tab:blue", "disaggregated-whole": "tab:green", "colocated": "tab:orange"}
+COLORS = {"disaggregated": "tab:blue", "disaggregated-whole": "tab:green", "colocated": "tab:orange",
+          "per-request": "tab:red"}
 NAMES = {"disaggregated": "disaggregated, streamed", "disaggregated-whole": "disaggregated, whole"}
 
 
@@ -101,7 +102,7 @@ def format_table(report: dict) -> str:
     for r in sorted(report["runs"], key=lambda r: (r["rate"], r["mode"], not r.get("streamed", False))):
         share = "migration_share_of_ttft"
         yes = "yes" if r.get("streamed") else "no"
-        mig = f"{r.get('streamed_migrations', 0)}/{r['migrated']}" if r["mode"] == "disaggregated" else "-"
+        mig = f"{r.get('streamed_migrations', 0)}/{r['migrated']}" if r["mode"] != "colocated" else "-"
         lines.append(f"| {r['mode']} | {yes} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
                      f"{_p(r, 'ttft_ms', 'p50')} | {_p(r, 'ttft_ms', 'p99')} | {_p(r, 'tpot_ms', 'p50')} | "
                      f"{_p(r, 'tpot_ms', 'p99')} | {_p(r, 'itl_ms', 'p99')} | {r['throughput_tok_s']:.0f} | "

@@ -10,7 +10,11 @@ request waits, at most `reserve_wait_s`, then gets 503), moves the ownership led
 prefilling -> migrating -> decoding -> finished/failed, an epoch per move) and submits the
 prompt. Worker reports, token reordering and ledger reconciliation: coordinator.reports;
 failures: coordinator.failover. Colocated mode (`colocated = K`): K workers each running both
-phases, the baseline behind the same API, ledger, routing and metrics. Every wait is bounded.
+phases, the baseline behind the same API, ledger, routing and metrics. Per request, the policy in
+coordinator.decide (`disaggregate`) may instead prefill on the decode worker itself
+(`local_prefill`: no prefill worker, no reservation, no migration; the request's `prefill` and
+`decode` name the same worker); the response's `pdserve.backend` says which path and why, and
+/metrics counts them. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import uuid
 from coordinator.admission import AdmissionMixin
 from coordinator.bounded import bounded
 from coordinator.config import ClusterConfig
+from coordinator.decide import DecideConfig, DecideInputs, Decision, decide
 from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
 from coordinator.lifecycle import LifecycleMixin
@@ -59,6 +64,9 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         self.colocated = config.colocated > 0
         self.roles = ROLES_COLOCATED if self.colocated else ROLES_DISAGGREGATED
         self.config, self.metrics = config, metrics or Metrics()
+        self.decide_config = DecideConfig(config.disaggregate, config.local_prefill_max_tokens,
+                                          config.local_prefill_max_waiting, config.prefill_ms_per_token)
+        self._paths: dict[str, Decision] = {}        # request id -> where its prompt is prefilled, and why
         self.tokenizer = None  # loaded from the first worker's description at start
         self.max_context = self.vocab_size = 0
         self.name = config.name or config.model
@@ -73,6 +81,9 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
         self.slot_status: dict[str, str] = {}        # slot -> why it is empty now (being replaced)
         self._joining: dict = {}                     # replacement workers not yet handshaken
+        self.draining: dict[str, float] = {}         # workers being drained -> since (coordinator.drain)
+        self._retired: set[str] = set()              # slots drained away: never replaced nor reused
+        self._scaling = False                        # a scale is under way (coordinator.drain)
         self._waiters: collections.deque = collections.deque()  # requests waiting for decode room, in order
         self.bind_host = "127.0.0.1"                 # where the report socket binds (set at start)
         self._published: dict = {}                   # model path -> its copy in the object store
@@ -90,6 +101,8 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
     def _loads(self, role: str) -> list[WorkerLoad]:
         timeout, out = self.config.heartbeat_timeout_s, []
         for worker in self._role(role):
+            if worker.name in self.draining:  # coordinator.drain: no new work for it
+                continue
             free = int(worker.stats.get("free_blocks", 0)) + int(worker.stats.get("cached_blocks", 0))
             depth = int(worker.stats.get("queue_depth", 0))
             out.append(WorkerLoad(worker.name, free, depth, worker.block_size, worker.alive(timeout)))
@@ -140,6 +153,10 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         except NoWorkerError as e:
             raise ServiceUnavailable(str(e)) from None
         rid = creq.request_id
+        if not self.colocated:
+            decision = self._paths[rid] = self._decide(prompt, prefill, decode)
+            if decision.path == "local_prefill":
+                prefill = decode  # NOTE: prefill == decode is what marks the local path from here on
         request = RequestState(rid, creq.n, len(prompt), prefill, decode, prompt, params)
         self.ledger.open(rid)
         self._requests[rid] = request
@@ -166,6 +183,11 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         if self.colocated:
             self.ledger.move(request.rid, Phase.DECODING, request.decode)
             target, cmd = request.decode, Submit(request.rid, request.prompt, request.params)
+        elif request.prefill == request.decode:  # local prefill: the decode worker runs both phases
+            request.epoch = self.ledger.move(request.rid, Phase.DECODING, request.decode)
+            target = request.decode
+            cmd = Submit(request.rid, request.prompt, request.params, epoch=request.epoch)
+            self._remember_decode(request)
         else:
             epoch = request.epoch = self.ledger.get(request.rid).epoch + 2
             await self._reserve(request, epoch)  # the ledger keeps the request queued while it waits
@@ -174,6 +196,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
             target = request.prefill
             cmd = Submit(request.rid, request.prompt, request.params, decode.name, decode.address, epoch,
                          list(request.generated))
+            self._remember_decode(request)
         try:
             reply = await command(self.workers[target], cmd, self.config.call_timeout_s)
         except CommandEncodeError as e:  # this request's fields: a 400, the worker is fine
@@ -191,9 +214,36 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         if reply.error:
             raise InvalidRequest(reply.error, param="prompt")
 
+    def _decide(self, prompt: list[int], prefill: str, decode: str) -> Decision:
+        """Where this prompt is prefilled (coordinator.decide), from the decode router's prefix memory,
+        both workers' last reported queues and the migration times measured on this transport."""
+        load = next((w for w in self._loads("decode") if w.worker_id == decode), None)
+        inputs = DecideInputs(len(prompt), self.routers["decode"].cached_tokens(load, prompt) if load else 0,
+                              int(self.workers[prefill].stats.get("queue_depth", 0)),
+                              int(self.workers[decode].stats.get("queue_depth", 0)),
+                              self.metrics.migration_ms(self.config.transport))
+        decision = decide(inputs, self.decide_config)
+        self.metrics.count_path(decision.path, decision.reason_kind)
+        return decision
+
+    def _remember_decode(self, request: RequestState) -> None:
+        """Either path leaves the prompt's full blocks in the decode worker's prefix cache (imports are
+        sealed like local prefills): the decode router remembers them for the next decisions."""
+        worker = self.workers[request.decode]
+        self.routers["decode"].remember(worker.name, request.prompt, worker.block_size or 16)
+
+    def _path_info(self, request: RequestState) -> dict:
+        """The response's path fields (`pdserve.backend`): where the prompt was prefilled, and why."""
+        decision = self._paths.get(request.rid)
+        if decision is None:
+            return {}
+        local = request.prefill == request.decode
+        return {"path": decision.to_dict(), **({"decode_worker": request.decode} if local else {})}
+
     def _drop(self, request: RequestState, ok: bool) -> None:
         """Forget a request; abort it on both workers unless it finished there."""
         self._requests.pop(request.rid, None)
+        self._paths.pop(request.rid, None)
         self.ledger.close(request.rid, ok)
         for name in {request.prefill, request.decode} if not ok else (request.decode,):
             worker = self.workers.get(name)

@@ -58,3 +58,16 @@ class ClusterConfig:
     max_restarts: int = 3
     restart_max_backoff_s: float = 30.0
     restart_window_s: float = 300.0
+    # a drained worker's requests may finish there this long; then they move (coordinator.drain)
+    drain_timeout_s: float = 30.0
+    # per request (coordinator.decide): 'always' prefill on a prefill worker and migrate; 'never' prefill
+    # on the decode worker itself; 'auto' locally when the prompt's part the decode worker does not cache
+    # is at most local_prefill_max_tokens (raised while the prefill worker has a queue)
+    disaggregate: str = "always"
+    # auto: the crossover where prefilling on the decode worker costs it as long as receiving the KV
+    # (`pdserve profile` prints it; three --quick runs here, tiny, block 16, CPU, zmq-tcp: 75, 82, 111)
+    local_prefill_max_tokens: int = 80
+    local_prefill_max_waiting: int = 4  # auto: a decode worker with this many requests waiting is busy
+    # auto, > 0 (pdserve profile's prefill_ms_per_token): once migrations were measured, the limit is at
+    # least the tokens the decode worker prefills in the mean migration time; 0: the fixed limit
+    prefill_ms_per_token: float = 0.0

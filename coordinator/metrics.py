@@ -21,6 +21,7 @@ _TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0
 _BYTES_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 13))  # 4 KiB .. 16 GiB
 
 
+MIGRATION_MEAN_WEIGHT = 0.1  # weight of the newest migration in the moving mean decide reads
 MIGRATION_PHASES = ("query", "export", "wire", "prepare", "land", "verify", "commit")
 
 
@@ -69,6 +70,10 @@ class Metrics:
                                ["phase"], registry=r)
         self.restarts = Counter("pdserve_worker_restarts", "Dead workers replaced, by role", ["role"],
                                 registry=r)
+        self.paths = Counter("pdserve_requests_by_path", "Requests by where their prompt was prefilled "
+                             "(disaggregate, local_prefill) and why (coordinator.decide)", ["path", "reason"],
+                             registry=r)
+        self._migration_ms: dict[str, float] = {}  # transport -> moving mean of migration ms (decide)
 
     # ---- request lifecycle (the HTTP layer) ---------------------------------------------
     def request_admitted(self, prompt_tokens: int) -> None:
@@ -109,6 +114,15 @@ class Metrics:
                 self.migration_phase.labels(transport=transport, phase=name[:-3]).observe(phase_ms / 1000.0)
         self.migration_bytes.labels(transport=transport).observe(nbytes)
         self.migration_blocks.labels(transport=transport).inc(blocks)
+        mean = self._migration_ms.get(transport)
+        self._migration_ms[transport] = ms if mean is None else mean + MIGRATION_MEAN_WEIGHT * (ms - mean)
+
+    def migration_ms(self, transport: str) -> float | None:
+        """Moving mean of this transport's migration times (ms), None before the first one."""
+        return self._migration_ms.get(transport)
+
+    def count_path(self, path: str, reason: str) -> None:
+        self.paths.labels(path=path, reason=reason).inc()
 
     def count_backpressure(self, worker: str) -> None:
         self.backpressure.labels(worker=worker).inc()

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class ReportsMixin:
     """Needs from the host class: config, workers, ledger, reconciler, metrics, _requests, _joining, _pull,
-    _wake_first_waiter,
+    _wake_first_waiter, _path_info,
     _drop, _spawn, _resend, _resume (see coordinator.cluster and coordinator.failover)."""
 
     async def _read_reports(self) -> None:
@@ -145,7 +145,8 @@ class ReportsMixin:
         request.finished = True
         info = {"prefill_worker": request.prefill,
                 "decode_worker": request.decode if request.decoded else None,
-                "migration": request.migration, "resumed": request.resumed, "resent": request.resent}
+                "migration": request.migration, "resumed": request.resumed, "resent": request.resent,
+                **self._path_info(request)}  # where the prompt was prefilled, and why (coordinator.decide)
         if self.colocated:
             info = {"worker": request.decode, "role": "colocated"}
         self._drop(request, ok=True)

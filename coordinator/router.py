@@ -72,6 +72,11 @@ class Router:
             n += 1
         return n
 
+    def cached_tokens(self, w: WorkerLoad, prompt_ids: list[int]) -> int:
+        """Prompt tokens, in full blocks, this router believes `w` caches: the longest prefix it sent
+        there (an estimate: the worker may have evicted it since; coordinator.decide reads it)."""
+        return self._match(w, prompt_ids) * w.block_size
+
     def remember(self, worker_id: str, prompt_ids: list[int], block_size: int) -> None:
         seen = self._seen.setdefault(worker_id, OrderedDict())
         for h in self._hashes(prompt_ids, block_size):

@@ -10,7 +10,8 @@ freed at once, uncached. Each migrated sequence travels under the transfer id
 and output count keep sampling identical to a colocated run). The prefill worker ships an n > 1
 request's sequences one after another, so after importing one of them the ZeroMQ loop waits (up
 to `sibling_wait_s`) for the rest before it steps: a step started in between would hold the next
-sequence's transfer for a whole step. Credits and admission: decode_worker.credits.
+sequence's transfer for a whole step. Credits and admission: decode_worker.credits. A `Submit`
+addressed to no decode worker is a request this worker prefills itself (decode_worker.local).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import time
 from dataclasses import dataclass
 
 from decode_worker.credits import Credits
+from decode_worker.local import LocalPrefill
 from decode_worker.ray_commands import KvHello, KvQuery, KvReceive, KvStream
-from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Tokens
+from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Submit, Tokens
 from protocol.sampling import SamplingParams
 from runtime.actor import QUEUE, WorkerConfig
 from runtime.holdings import blocks_by_request
@@ -30,6 +32,7 @@ from transfer.metrics import DEFAULT_METRICS
 
 log = logging.getLogger(__name__)
 MAX_EXPECTED = 100_000  # bound on remembered request registrations (aborts normally remove them)
+COMMAND_POLL_S = 0.002  # ZeroMQ: the longest a queued command (a local prefill's Submit) waits for the loop
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class DecodeHandler:
         self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
         self.due: dict[str, int] = {}  # request id -> its sequences not imported yet (n > 1 requests)
         self.refused_imports = 0
+        self.local = LocalPrefill(engine)  # requests prefilled here (coordinator.decide's local path)
         keys = config.keys
         transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
                                     secret=keys.secret if keys else "")
@@ -98,6 +102,8 @@ class DecodeHandler:
         if isinstance(cmd, Abort):
             self.credits.release(cmd.request_id)
             return QUEUE
+        if isinstance(cmd, Submit):
+            return self.local.accept(cmd)
         return Reply(error=f"a decode worker does not take {type(cmd).__name__}")
 
     # ---- the loop thread --------------------------------------------------------------------------
@@ -109,7 +115,7 @@ class DecodeHandler:
             return
         loop.drain(events)
         try:
-            result = self.receiver.poll(timeout)
+            result = self._poll(loop, timeout, events)
             partial: set[str] = set()  # requests with sequences still on their way
             deadline = time.monotonic() + self.config.sibling_wait_s
             while result is not None:
@@ -128,9 +134,24 @@ class DecodeHandler:
                         self.config.name, e, usage["free_blocks"], usage["cached_blocks"],
                         self.engine.kv.held_back(), self.credits.reservations())
 
+    def _poll(self, loop, timeout: float, events: list):
+        """The receiver's poll in slices, taking queued commands between them: the command queue cannot
+        wake the receiver, and a Submit to prefill here must not wait out an idle poll."""
+        end = time.monotonic() + timeout
+        while True:
+            result = self.receiver.poll(min(COMMAND_POLL_S, max(0.0, end - time.monotonic())))
+            if result is not None or time.monotonic() >= end:
+                return result
+            loop.drain(events)
+            if self.engine.has_work():  # e.g. a local prefill joined: step now
+                return None
+
     def handle(self, cmd, events: list):
         if isinstance(cmd, Abort):
             self._abort(cmd.request_id)
+            self.local.abort(cmd.request_id)
+        elif isinstance(cmd, Submit):
+            self.local.submit(cmd, events)
         elif isinstance(cmd, KvHello):
             return self.receiver.kv_hello(cmd.connection, cmd.data)
         elif isinstance(cmd, KvQuery):
@@ -198,6 +219,7 @@ class DecodeHandler:
         return rid
 
     def on_step(self, outputs, events: list) -> None:
+        self.local.on_step(outputs, events)
         for o in outputs:
             entry = self.sequences.get(o.request_id)
             if entry is None:
@@ -223,7 +245,8 @@ class DecodeHandler:
     def stats(self) -> dict:
         snap = DEFAULT_METRICS.snapshot()  # this process's receiver
         errors, refusals = snap["errors"], snap["refusals"]  # refusals: unauthenticated input, by reason
-        return {"refused_imports": self.refused_imports, "reserved_blocks": self.credits.reserved_blocks(),
+        return {"refused_imports": self.refused_imports, "local_prefills": self.local.submitted,
+                "reserved_blocks": self.credits.reserved_blocks(),
                 "refused_reservations": self.credits.refused, "transfer_errors": sum(errors.values()),
                 "checksum_errors": errors.get("checksum", 0), "kv_refusals": sum(refusals.values()),
                 **{f"kv_refused_{reason}": n for reason, n in sorted(refusals.items())}}

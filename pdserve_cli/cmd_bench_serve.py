@@ -1,5 +1,6 @@
 """`pdserve bench serve`: disaggregated (KV migration streamed during the prefill, and whole after
-it, both in one invocation unless --streamed/--no-streamed picks one) vs colocated serving under
+it, both in one invocation unless --streamed/--no-streamed picks one) vs colocated vs per-request
+(each prompt prefilled on the decode worker or migrated, coordinator.decide) serving under
 the same open-loop Poisson load, from a load client in its own process (TTFT, TPOT, ITL, e2e
 percentiles, throughput, goodput under SLOs, KV migration share of TTFT, streamed overlap, and the
 max_tokens=1 overhead measurement); writes JSON and a plot."""
@@ -7,11 +8,11 @@ max_tokens=1 overhead measurement); writes JSON and a plot."""
 from __future__ import annotations
 
 NAME = "serve"
-HELP = "benchmark serving: disaggregated vs colocated, TTFT/TPOT/goodput under Poisson load"
+HELP = "benchmark serving: disaggregated vs colocated vs per-request, TTFT/TPOT/goodput under Poisson load"
 GROUP = "bench"
 
 
-PRESETS = ("long-prompt-short-output", "short-prompt-long-output")  # bench.loadgen.PRESETS
+PRESETS = ("long-prompt-short-output", "short-prompt-long-output", "mixed")  # loadgen's, bench.serve_mixed
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -28,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rates", type=_floats, help="comma-separated request rates in req/s (e.g. 1,2,4)")
     p.add_argument("--num-requests", type=int, help="requests per rate and mode")
     p.add_argument("--preset", choices=PRESETS, help="length distributions (default long-prompt-...)")
-    p.add_argument("--modes", help="comma-separated: disaggregated,colocated (default both)")
+    p.add_argument("--modes", help="comma-separated: disaggregated,colocated,per_request (default all three)")
     p.add_argument("--streamed", action=argparse.BooleanOptionalAction, default=None,
                    help="disaggregated with KV migration streamed during the prefill only (--streamed) or "
                         "whole after it only (--no-streamed); default: both, each its own labelled run")
@@ -36,7 +37,8 @@ def add_arguments(p) -> None:
                    help="tokens per engine step in every mode (default 512: long prompts prefill in chunks)")
     p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
     p.add_argument("--url", help="target a running coordinator instead of bringing clusters up")
-    p.add_argument("--mode", choices=("disaggregated", "colocated"), help="the --url coordinator's mode")
+    p.add_argument("--mode", choices=("disaggregated", "colocated", "per_request"),
+                   help="the --url coordinator's mode")
     p.add_argument("--ttft-slo-ms", type=float, help="goodput TTFT SLO in ms")
     p.add_argument("--tpot-slo-ms", type=float, help="goodput TPOT SLO in ms")
     p.add_argument("--seed", type=int, help="base seed of arrivals, lengths and prompts")

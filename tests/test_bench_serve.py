@@ -71,7 +71,8 @@ def test_length_distributions():
 def test_presets_and_requests_have_exact_lengths():
     from pdserve_cli.cmd_bench_serve import PRESETS as CLI_PRESETS
 
-    assert set(CLI_PRESETS) == set(PRESETS) == {"long-prompt-short-output", "short-prompt-long-output"}
+    assert set(CLI_PRESETS) == set(PRESETS) | {"mixed"}  # mixed: bench.serve_mixed
+    assert set(PRESETS) == {"long-prompt-short-output", "short-prompt-long-output"}
     means = {}
     for name in PRESETS:
         w = preset(name, rate=2.0, num_requests=200, seed=3)
@@ -239,16 +240,16 @@ def test_streamed_and_whole_disaggregated_runs_are_labelled_in_one_invocation(se
     assert cfg.streamed == (True, False) and bs.ServeBenchConfig().num_requests >= 200
     logs = []
     rep = bs.run_bench(cfg, log=logs.append)
-    want = [(False, True), (False, False), (True, False)]  # (colocated, stream_migration)
-    assert [(c.colocated > 0, c.stream_migration) for c in configs] == want
+    want = [(False, True, "always"), (False, False, "always"), (True, False, "always"), (False, True, "auto")]
+    assert [(c.colocated > 0, c.stream_migration, c.disaggregate) for c in configs] == want
     assert all(c.engine == {"scheduler": {"max_num_batched_tokens": 256}} for c in configs)
     runs = rep["runs"]
     assert [(r["mode"], r["streamed"], r["label"]) for r in runs] == [
         ("disaggregated", True, "disaggregated"), ("disaggregated", False, "disaggregated-whole"),
-        ("colocated", False, "colocated")]
+        ("colocated", False, "colocated"), ("per_request", True, "per-request")]
     assert all(r["completed"] == 3 and r["client_pid"] != os.getpid() for r in runs)
-    assert len({r["client_pid"] for r in runs}) == 3  # a fresh client process per run
-    assert set(rep["overhead"]) == {"disaggregated", "disaggregated-whole", "colocated"}
+    assert len({r["client_pid"] for r in runs}) == 4  # a fresh client process per run
+    assert set(rep["overhead"]) == {"disaggregated", "disaggregated-whole", "colocated", "per-request"}
     assert rep["overhead"]["disaggregated"]["streamed"] and not rep["overhead"]["colocated"]["streamed"]
     assert rep["config"]["streamed"] == [True, False] and rep["config"]["step_budget"] == 256
     # the stand-in migrates nothing: the bench says so rather than reporting a streamed run silently
@@ -268,4 +269,5 @@ def test_quick_says_p99_is_about_the_max_and_the_full_run_does_not():
     assert np.percentile(a, 99) > a[-2] and np.percentile(np.arange(200.0), 99) < 198  # why 101
     with pytest.raises(ValueError):
         bs.ServeBenchConfig(streamed=())
-    assert bs.setups(bs.ServeBenchConfig(transport="ray")) == [("disaggregated", False), ("colocated", False)]
+    assert bs.setups(bs.ServeBenchConfig(transport="ray")) == [("disaggregated", False), ("colocated", False),
+                                                               ("per_request", False)]

@@ -1,0 +1,47 @@
+"""`pdserve profile`: measure, on this machine, what a serving performance model needs for one
+model, block size and device (prefill time against prompt length and cached prefix, decode step
+time against batch size and context, KV migration time against bytes over one transport), write
+it as JSON and print a short table with the fitted rates and the suggested
+`local_prefill_max_tokens` for `ClusterConfig` (bench.profile)."""
+
+from __future__ import annotations
+
+NAME = "profile"
+GROUP = None
+HELP = "measure prefill, decode step and KV migration times on this machine (JSON + table)"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="a few points, few repeats (under a minute on tiny)")
+    p.add_argument("--model", help="'tiny' (default), 'smollm2', a .gguf file or a checkpoint directory")
+    p.add_argument("--block-size", type=int, help="KV block size (default 16)")
+    p.add_argument("--device", help="cpu (default) or cuda[:i]")
+    p.add_argument("--transport", help="bench migrate's transport: zmq-tcp (default), zmq-ipc, ray")
+    p.add_argument("--prompt-lens", type=_ints, help="comma-separated prefill prompt lengths")
+    p.add_argument("--batch-sizes", type=_ints, help="comma-separated decode batch sizes")
+    p.add_argument("--json", metavar="FILE", help="write the profile as JSON")
+
+
+def run(args) -> int:
+    import json
+    from dataclasses import replace
+
+    from bench.profile import QUICK, ProfileConfig, format_profile, run_profile
+
+    cfg = QUICK if args.quick else ProfileConfig()
+    over = {k: v for k, v in (("model", args.model), ("block_size", args.block_size), ("device", args.device),
+                              ("transport", args.transport), ("prompt_lens", args.prompt_lens),
+                              ("batch_sizes", args.batch_sizes)) if v}
+    cfg = replace(cfg, **over)
+    report = run_profile(cfg, log=lambda s: print(s, flush=True))
+    print(format_profile(report))
+    print(f"({report['seconds']:.1f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
