@@ -1,0 +1,204 @@
+"""The discrete-event simulation of one serving configuration. Events: arrivals, engine step ends,
+migration ends. At an arrival the coordinator routes (prefix-aware, then most free blocks, then the
+shortest queue, as coordinator.router) and, with prefill workers, asks coordinator.decide (the
+real policy, not a copy) where to prefill: on a prefill worker (then, after its last chunk, the
+decode worker reserves blocks and the KV migrates: the uncached part of the prompt, whole after
+the prefill, from the profile's migration fit) or on the decode worker itself. A request that
+could never fit an engine's pool is refused (it counts against goodput). The first token is out
+when the prefill ends (colocated, local) or when the migration lands (disaggregated); every
+further token at the end of a decode step that carried it. `overhead_ms` is added to every TTFT
+(HTTP, coordinator, client: nothing the profile measures). Idle engines start a step whenever
+they have work; an engine stepping while others step is stretched by the model's `contention`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from bench.plan.engine import Job, SimEngine
+from bench.plan.model import StepModel
+from bench.plan.workload import Req
+from coordinator.decide import DecideConfig, DecideInputs, decide
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """colocated > 0: that many colocated engines; else prefill + decode engines. decide: the
+    coordinator.decide mode of a P+D cluster ('always' or 'auto'; 'never' leaves prefill idle).
+    The engine fields match ClusterConfig / bench serve (block_size, num_blocks per engine,
+    step_budget = max_num_batched_tokens)."""
+
+    colocated: int = 0
+    prefill: int = 1
+    decode: int = 1
+    decide: str = "always"
+    step_budget: int = 512
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 256
+    local_prefill_max_tokens: int = 80
+    local_prefill_max_waiting: int = 4
+    prefill_ms_per_token: float = 0.0
+    overhead_ms: float = 0.0
+
+    @property
+    def label(self) -> str:
+        if self.colocated:
+            return f"colocated {self.colocated}"
+        return f"{self.prefill}P+{self.decode}D" + (" auto" if self.decide == "auto" else "")
+
+    @property
+    def workers(self) -> int:
+        return self.colocated or self.prefill + self.decode
+
+
+@dataclass
+class Outcome:
+    req: Req
+    path: str = ""               # colocated, disaggregate, local_prefill, refused
+    reason_kind: str = ""
+    first_s: float | None = None
+    end_s: float | None = None
+
+
+def _engines(c: SimConfig) -> list[SimEngine]:
+    spec = [("colocated", c.colocated)] if c.colocated else [("prefill", c.prefill), ("decode", c.decode)]
+    return [SimEngine(f"{role}{i}", role, c.num_blocks, c.block_size, c.step_budget, c.max_num_seqs)
+            for role, n in spec for i in range(n)]
+
+
+def _pick(engines: list[SimEngine], req: Req) -> SimEngine:
+    return max(engines, key=lambda e: (e.cached_tokens(req), e.alloc.num_available, -e.load))
+
+
+class Simulation:
+    def __init__(self, reqs: list[Req], model: StepModel, config: SimConfig):
+        self.model, self.c = model, config
+        self.engines = _engines(config)
+        self.by_role = {r: [e for e in self.engines if e.role == r]
+                        for r in ("prefill", "decode", "colocated")}
+        self.out = {r.index: Outcome(r) for r in reqs}
+        self.decide_config = DecideConfig(config.decide if not config.colocated else "never",
+                                          config.local_prefill_max_tokens, config.local_prefill_max_waiting,
+                                          config.prefill_ms_per_token)
+        self.migrations: list[float] = []
+        self.now, self._seq, self._events = 0.0, itertools.count(), []
+        self.target: dict[int, SimEngine] = {}    # request -> decode engine of a disaggregated request
+        self._lease: dict[int, tuple[SimEngine, Job]] = {}  # import job -> (prefill engine, its job)
+        for r in reqs:
+            self._push(r.arrival_s * 1e3, "arrival", r)
+
+    def _push(self, t_ms: float, kind: str, data) -> None:
+        heapq.heappush(self._events, (t_ms, next(self._seq), kind, data))
+
+    # ---- arrivals ------------------------------------------------------------------------
+    def _arrive(self, req: Req) -> None:
+        o, tokens = self.out[req.index], req.prompt_tokens + req.output_tokens
+        if self.c.colocated:
+            e = _pick(self.by_role["colocated"], req)
+            if not e.fits(tokens):
+                o.path = "refused"
+                return
+            o.path = "colocated"
+            e.waiting.append(Job(req, tokens))
+            return
+        d = _pick(self.by_role["decode"], req)
+        p = min(self.by_role["prefill"],
+                key=lambda e: (-e.cached_tokens(req), len(e.waiting) + len(e.prefilling)))
+        mean_mig = sum(self.migrations) / len(self.migrations) if self.migrations else None
+        dec = decide(DecideInputs(req.prompt_tokens, d.cached_tokens(req), len(p.waiting),
+                                  len(d.waiting) + len(d.importing), mean_mig), self.decide_config)
+        o.path, o.reason_kind = dec.path, dec.reason_kind
+        if not d.fits(tokens) or (dec.path == "disaggregate" and not p.fits(req.prompt_tokens)):
+            o.path = "refused"
+            return
+        if dec.path == "local_prefill":
+            d.waiting.append(Job(req, tokens))
+        else:
+            self.target[req.index] = d
+            p.waiting.append(Job(req, req.prompt_tokens))
+
+    # ---- steps ---------------------------------------------------------------------------
+    def _kick(self) -> None:
+        for e in self.engines:
+            if e.role == "decode":
+                self._imports(e)
+            if e.busy:
+                continue
+            plan = e.plan()
+            if plan.empty:
+                continue
+            others = sum(x.busy for x in self.engines if x is not e)
+            ms = self.model.step_ms(len(plan.decode), sum(j.context for j in plan.decode),
+                                    sum(t for _, t in plan.chunks), others)
+            e.busy = True
+            self._push(self.now + ms, "step", (e, plan))
+
+    def _imports(self, d: SimEngine) -> None:
+        """Prefilled prompts waiting for the decode worker's blocks: reserve, then migrate."""
+        while d.importing and d.reserve(d.importing[0]):
+            job = d.importing.popleft()
+            ms = self.model.migration_ms(job.req.prompt_tokens - job.cached_tokens)
+            self.migrations.append(ms)
+            self._push(self.now + ms, "migrated", (d, job))
+
+    def _first_token(self, e: SimEngine, job: Job) -> None:
+        o = self.out[job.req.index]
+        o.first_s = self.now / 1e3
+        job.generated = 1
+        if job.req.output_tokens == 1:
+            o.end_s = o.first_s
+            e.release(job)
+        else:
+            e.running.append(job)
+
+    def _step_end(self, e: SimEngine, plan) -> None:
+        e.busy = False
+        for job in plan.decode:
+            job.generated += 1
+            if job.generated >= job.req.output_tokens:
+                e.running.remove(job)
+                e.release(job)
+                self.out[job.req.index].end_s = self.now / 1e3
+        for job, take in plan.chunks:
+            job.remaining -= take
+            if job.remaining > 0:
+                continue
+            e.prefilling.remove(job)
+            e.register_prefix(job)
+            if e.role == "prefill":
+                d = self.target[job.req.index]
+                imp = Job(job.req, job.req.prompt_tokens + job.req.output_tokens)
+                d.importing.append(imp)
+                self._lease[id(imp)] = (e, job)
+            else:
+                self._first_token(e, job)
+
+    def _migrated(self, d: SimEngine, job: Job) -> None:
+        src, src_job = self._lease.pop(id(job))
+        src.release(src_job)          # the prefill worker's lease ends when the import committed
+        d.register_prefix(job)
+        self._first_token(d, job)
+
+    def run(self) -> list[Outcome]:
+        while self._events:
+            self.now, _, kind, data = heapq.heappop(self._events)
+            if kind == "arrival":
+                self._arrive(data)
+            elif kind == "step":
+                self._step_end(*data)
+            else:
+                self._migrated(*data)
+            self._kick()
+        shift = self.c.overhead_ms / 1e3  # the whole stream starts later; TPOT is unchanged
+        for o in self.out.values():
+            if o.first_s is not None:
+                o.first_s += shift
+                o.end_s = None if o.end_s is None else o.end_s + shift
+        return [self.out[i] for i in sorted(self.out)]
+
+
+def simulate(reqs: list[Req], model: StepModel, config: SimConfig) -> list[Outcome]:
+    return Simulation(reqs, model, config).run()

@@ -1,0 +1,77 @@
+"""Step and migration times from a `pdserve profile` JSON. An engine step that decodes B sequences
+holding C context tokens in all and computes K prompt tokens costs
+`max(d0 [B>0], p0 [K>0]) + d_seq*B + d_ctx*C + p*K` ms: the profile's prefill fit (p0 + p*K, one
+prompt alone) and decode fit (d0 + d_seq*B + d_ctx*C, refitted here from the raw rows by least
+squares on both variables where the profile varied both, else on B alone) share one fixed cost,
+since one forward pass carries both (Sarathi-style mixed steps). A migration of T tokens costs
+`m0 + m_byte * T * kv_bytes_per_token`. Negative fitted slopes (noise) are clamped to 0.
+`contention` is what the profile does not measure: the profile runs one engine alone, so when
+other engines of the same machine step at the same time, each step is stretched by
+`1 + contention * (other busy engines)` (0: engines never slow each other; 1: two engines on
+cores enough for one, as two workers on this 2-core machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepModel:
+    prefill_fixed_ms: float
+    prefill_ms_per_token: float
+    decode_fixed_ms: float
+    decode_ms_per_seq: float
+    decode_ms_per_ctx: float
+    migration_fixed_ms: float
+    migration_ms_per_byte: float
+    kv_bytes_per_token: float
+    block_size: int = 16
+    contention: float = 0.0     # step stretch per other engine busy at the same time (see module doc)
+    crossover_tokens: int | None = None  # the profile's suggested local_prefill_max_tokens
+
+    def step_ms(self, batch: int, context: int, prefill_tokens: int, others_busy: int = 0) -> float:
+        fixed = max(self.decode_fixed_ms if batch else 0.0, self.prefill_fixed_ms if prefill_tokens else 0.0)
+        ms = fixed + self.decode_ms_per_seq * batch + self.decode_ms_per_ctx * context \
+            + self.prefill_ms_per_token * prefill_tokens
+        return ms * (1.0 + self.contention * others_busy)
+
+    def prefill_ms(self, tokens: int) -> float:
+        """One prompt's prefill alone in one step (what the profile measured)."""
+        return self.step_ms(0, 0, tokens)
+
+    def migration_ms(self, tokens: int) -> float:
+        return self.migration_fixed_ms + self.migration_ms_per_byte * tokens * self.kv_bytes_per_token
+
+
+def _decode_fit(rows: list[dict], fits: dict) -> tuple[float, float, float]:
+    """(d0, per sequence, per context token): both variables where the profile varied both."""
+    if len(rows) >= 3:
+        a = np.array([[1.0, r["batch"], r["total_context"]] for r in rows])
+        y = np.array([r["step_ms"] for r in rows])
+        if np.linalg.matrix_rank(a) == 3:
+            d0, ds, dc = np.linalg.lstsq(a, y, rcond=None)[0]
+            return float(d0), float(ds), float(dc)
+    return fits["decode_step_fixed_ms"], fits["decode_ms_per_sequence"], 0.0
+
+
+def from_profile(profile: dict, contention: float = 0.0) -> StepModel:
+    """The model of a `pdserve profile` report (its `fits`, and its raw `decode` rows)."""
+    f = profile["fits"]
+    d0, ds, dc = _decode_fit(profile.get("decode", []), f)
+    pos = lambda x: max(0.0, float(x))  # noqa: E731  (noise can fit a negative slope)
+    return StepModel(pos(f["prefill_fixed_ms"]), pos(f["prefill_ms_per_token"]), pos(d0), pos(ds), pos(dc),
+                     pos(f["migration_fixed_ms"]), pos(f["migration_ms_per_byte"]),
+                     float(f.get("kv_bytes_per_token") or 0.0),
+                     int(profile.get("config", {}).get("block_size", 16)), contention,
+                     f.get("local_prefill_max_tokens"))
+
+
+def synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.01, decode_fixed_ms=1.0,
+              decode_ms_per_seq=0.1, migration_fixed_ms=1.0, migration_ms_per_token=0.001,
+              block_size=16, contention=0.0) -> StepModel:
+    """A hand-written model (tests, what-ifs): migration given per token (1 byte per token)."""
+    return StepModel(prefill_fixed_ms, prefill_ms_per_token, decode_fixed_ms, decode_ms_per_seq, 0.0,
+                     migration_fixed_ms, migration_ms_per_token, 1.0, block_size, contention)
