@@ -3,7 +3,7 @@
 Routes: `POST /v1/completions` and `POST /v1/chat/completions` (JSON, or server-sent events
 with `stream`; a chat request is rendered to a prompt with the model's chat template by
 coordinator.chat), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text),
-`GET /v1/cluster` (the backend's `info()`).
+`GET /v1/cluster` (the backend's `info()`; the drain and scale routes: coordinator.admin).
 The layer sees only `CompletionRequest`s, backend events and the backend methods documented in
 coordinator.backend, so the in-process engine and the Ray cluster serve the same API. Text is
 produced here, incrementally per choice (coordinator.detokenize): multi-byte characters split
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from coordinator.admin import admin_routes
 from coordinator.bounded import bounded
 from coordinator.chat import CHAT, parse_chat_request
 from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
@@ -271,6 +272,7 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/cluster", _cluster)
+    app.router.add_routes(admin_routes(backend, config.read_timeout_s))  # drain, scale: coordinator.admin
     return app
 
 

@@ -11,7 +11,8 @@ replacement ("decode-0-r1") joins only after the same handshakes as at start, an
 one leaves the worker table. One replacement per lost worker at a time; a worker that reports
 again during the backoff (slow, not dead) is kept instead. If the coordinator itself dies, Ray
 ends the workers it owns (actors share their owner's fate), so no worker outlives it holding
-blocks.
+blocks. Draining a worker and scaling a role at run time: coordinator.drain (its mixin is this
+one's base); a drained worker's slot is retired and never replaced.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import time
 
 from coordinator.bounded import bounded
+from coordinator.drain import DrainMixin
 from coordinator.protocol import ServiceUnavailable
 from coordinator.workers import call, command, spawn_worker, spawn_workers
 from protocol.curve import ClusterKeys
@@ -29,7 +31,7 @@ from protocol.messages import Connect, Describe
 log = logging.getLogger(__name__)
 
 
-class LifecycleMixin:
+class LifecycleMixin(DrainMixin):
     """Needs from the host class: config, colocated, workers, routers, ledger, reconciler, metrics,
     namespace, tokenizer, _pull, _reader, _monitor_task, _tasks, _lost, _replacing, _restarts, _joining,
     _requests, _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
@@ -170,6 +172,8 @@ class LifecycleMixin:
             log.error("worker slot %s: %d replacements within %gs; trying again in %gs", slot, tries,
                       c.restart_window_s, delay)
         await asyncio.sleep(delay)
+        if slot in self._retired:  # drained away meanwhile (coordinator.drain): the slot is gone
+            return True
         if dead.name not in self._lost:  # it reported again during the backoff: slow, not dead
             log.warning("worker %s came back: not replaced", dead.name)
             return True
@@ -180,12 +184,7 @@ class LifecycleMixin:
         self._joining[worker.name] = worker  # its reports update its stats; nothing is routed to it yet
         self.slot_status[slot] = f"{dead.name} {why}; replacement {worker.name} is starting"
         try:
-            await self._describe(worker)
-            pairs = [(p, worker) for p in self._live("prefill")] if dead.role == "decode" else \
-                [(worker, d) for d in self._live("decode")] if dead.role == "prefill" else []
-            for prefill, decode in pairs:
-                await self._handshake(prefill, decode)
-            await self._first_report([worker], time.monotonic() + c.start_timeout_s)
+            await self._join(worker)
         except Exception as e:  # noqa: BLE001 (any failure: the replacement does not join; try again)
             log.error("replacement %s for %s did not join: %s", worker.name, dead.name, e)
             ray.kill(worker.handle, no_restart=True)
@@ -200,6 +199,16 @@ class LifecycleMixin:
         self.metrics.count_restart(dead.role)
         log.warning("worker %s replaced by %s", dead.name, worker.name)
         return True
+
+    async def _join(self, worker) -> None:
+        """What a replacement or an added worker goes through before routing sees it: it describes
+        itself, handshakes with every live worker of the other role, and reports once (bounded)."""
+        await self._describe(worker)
+        pairs = [(p, worker) for p in self._live("prefill")] if worker.role == "decode" else \
+            [(worker, d) for d in self._live("decode")] if worker.role == "prefill" else []
+        for prefill, decode in pairs:
+            await self._handshake(prefill, decode)
+        await self._first_report([worker], time.monotonic() + self.config.start_timeout_s)
 
     def _live(self, role: str) -> list:
         timeout = self.config.heartbeat_timeout_s

@@ -71,7 +71,8 @@ def _up(address: str, transport: str):
     overridden for this machine); returns (process, port)."""
     cmd = [sys.executable, "-m", "pdserve_cli.main", "up", "--address", address, "--config",
            os.path.join(ROOT, "deploy", "multinode.yaml"), "--model", "tiny", "--device", "cpu",
-           "--num-blocks", "128", "--host", "127.0.0.1", "--port", "0", "--transport", transport]
+           "--num-blocks", "128", "--host", "127.0.0.1", "--port", "0", "--transport", transport,
+           "--weights", "f32"]  # compared with the local engine's f32 tokens (up defaults to bf16 on CPU)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     seen, found, deadline = "", None, time.monotonic() + 240
