@@ -8,7 +8,10 @@ model's KV layout (a receiver in another process). Fits: prefill ms per uncached
 per step + per sequence, migration fixed ms + ms per byte; and from them the crossover
 `local_prefill_max_tokens`, the uncached length below which prefilling on the decode worker costs
 it less than receiving the KV (coordinator.decide explains the model). Bounded: `QUICK` measures
-a few points with few repeats, and every point is one short engine run.
+a few points with few repeats, and every point is one short engine run. The engine is timed with
+`threads` torch threads (1, as every worker). Unless `serving` is off, bench.profile_serving also
+measures the serving path's per-request and per-token overheads (colocated and disaggregated, real
+clusters) and the contention of two engines stepping at once: what the planner adds to the engine.
 """
 
 from __future__ import annotations
@@ -41,11 +44,18 @@ class ProfileConfig:
     migrate_tokens: tuple[int, ...] = (16, 64, 256, 1024)
     migrate_repeats: int = 8
     quick: bool = False
+    serving: bool = True   # also the serving path's overheads and contention (bench.profile_serving)
+    serving_prompt_lens: tuple[int, ...] = (16, 64, 256, 512, 1024)
+    serving_max_tokens: int = 32
+    serving_repeats: int = 4
+    contention_steps: int = 60
+    threads: int | None = 1  # torch threads while timing the engine: 1, as every worker (runtime.actor)
 
 
 QUICK = ProfileConfig(prompt_lens=(16, 64, 256, 512), cached_fractions=(0.0, 0.75), batch_sizes=(1, 8),
                       contexts=(128,), decode_steps=5, repeats=5, migrate_tokens=(16, 128, 512),
-                      migrate_repeats=5, quick=True)
+                      migrate_repeats=5, quick=True, serving_prompt_lens=(16, 128, 512),
+                      serving_max_tokens=16, serving_repeats=3, contention_steps=40)
 
 
 def _engine(cfg: ProfileConfig):
@@ -137,9 +147,20 @@ def crossover(prefill_ms_per_token: float, migration_fixed_ms: float,
 
 
 def run_profile(cfg: ProfileConfig, log=print) -> dict:
+    import torch
+
+    t0, threads = time.perf_counter(), torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, log, t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: ProfileConfig, log, t0: float) -> dict:
     from bench.machine import describe
 
-    t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     engine = _engine(cfg)
     log("prefill ...")
@@ -158,9 +179,29 @@ def run_profile(cfg: ProfileConfig, log=print) -> dict:
             "migration_fixed_ms": m0, "migration_ms_per_byte": m_byte, "kv_bytes_per_token": token_bytes,
             "migration_ms_per_token": m_byte * token_bytes}
     fits["local_prefill_max_tokens"] = crossover(p, m0, fits["migration_ms_per_token"])
-    return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-            "machine": describe(engine, bandwidth=not cfg.quick), "prefill": prefill, "decode": decode,
-            "migration": migration, "fits": fits, "seconds": time.perf_counter() - t0}
+    report = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+              "machine": describe(engine, bandwidth=not cfg.quick), "prefill": prefill, "decode": decode,
+              "migration": migration, "fits": fits}
+    if cfg.serving:
+        _serving(report, cfg, log)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _serving(report: dict, cfg: ProfileConfig, log) -> None:
+    """The serving path's overheads per configuration kind and the contention factor, into
+    `report['serving']`, `report['contention']` and the fits the planner reads."""
+    from bench.plan.model import from_profile
+    from bench.profile_serving import KINDS, measure_contention, measure_serving
+
+    log("contention (two engines stepping at once) ...")
+    report["contention"] = measure_contention(cfg, log)
+    log("serving path (sequential requests through real clusters) ...")
+    report["serving"] = s = measure_serving(cfg, from_profile(report), log)
+    f = report["fits"]
+    f["request_overhead_ms"] = {k: s[k]["request_overhead_ms"] for k in KINDS}
+    f["token_overhead_ms"] = {k: s[k]["token_overhead_ms"] for k in KINDS}
+    f["contention"] = report["contention"]["contention"]
 
 
 def format_profile(report: dict) -> str:
@@ -178,4 +219,15 @@ def format_profile(report: dict) -> str:
                  f"migration {f['migration_fixed_ms']:.2f} ms + {f['migration_ms_per_token']:.4f} ms/token")
     lines.append(f"suggested local_prefill_max_tokens (ClusterConfig): {f['local_prefill_max_tokens']} "
                  f"(prefill_ms_per_token {f['prefill_ms_per_token']:.4f})")
+    for kind, ms in (f.get("request_overhead_ms") or {}).items():
+        tok = f["token_overhead_ms"][kind]
+        lines.append(f"serving path ({kind}): +{_ms(ms)} ms per request, +{_ms(tok)} ms per token")
+    if "contention" in f:
+        c = report["contention"]
+        lines.append(f"contention: step {c['alone_step_ms']:.2f} ms alone, {c['together_step_ms']:.2f} ms "
+                     f"with another engine stepping -> {f['contention']:.2f} per other busy engine")
     return "\n".join(lines)
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.2f}"

@@ -1,8 +1,10 @@
 """`pdserve profile`: measure, on this machine, what a serving performance model needs for one
 model, block size and device (prefill time against prompt length and cached prefix, decode step
-time against batch size and context, KV migration time against bytes over one transport), write
-it as JSON and print a short table with the fitted rates and the suggested
-`local_prefill_max_tokens` for `ClusterConfig` (bench.profile)."""
+time against batch size and context, KV migration time against bytes over one transport
+and, unless --no-serving, the serving path's per-request and per-token overheads (real clusters,
+sequential requests) and the contention of two engines stepping at once), write it as JSON and
+print a short table with the fitted rates and the suggested `local_prefill_max_tokens` for
+`ClusterConfig` (bench.profile)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--transport", help="bench migrate's transport: zmq-tcp (default), zmq-ipc, ray")
     p.add_argument("--prompt-lens", type=_ints, help="comma-separated prefill prompt lengths")
     p.add_argument("--batch-sizes", type=_ints, help="comma-separated decode batch sizes")
+    p.add_argument("--no-serving", action="store_true",
+                   help="time the engine only: skip the serving path's overheads and the contention factor")
     p.add_argument("--json", metavar="FILE", help="write the profile as JSON")
 
 
@@ -36,7 +40,7 @@ def run(args) -> int:
     over = {k: v for k, v in (("model", args.model), ("block_size", args.block_size), ("device", args.device),
                               ("transport", args.transport), ("prompt_lens", args.prompt_lens),
                               ("batch_sizes", args.batch_sizes)) if v}
-    cfg = replace(cfg, **over)
+    cfg = replace(cfg, **over, serving=not args.no_serving)
     report = run_profile(cfg, log=lambda s: print(s, flush=True))
     print(format_profile(report))
     print(f"({report['seconds']:.1f} s)")

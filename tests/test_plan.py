@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.plan.des import SimConfig, simulate
-from bench.plan.model import synthetic
+from bench.plan.model import from_profile, synthetic
 from bench.plan.search import Target, plan
 from bench.plan.workload import Req, from_distributions, parse_dist
 from bench.serve_metrics import SLO
@@ -24,6 +24,25 @@ def test_single_request_ttft_is_prefill_plus_migration():
     assert (o.end_s - o.first_s) * 1e3 == pytest.approx(4 * 1.5)
     (c,) = simulate([Req(0, 0.0, 100, 5)], m, SimConfig(colocated=1))
     assert c.first_s * 1e3 == pytest.approx(7.0)
+
+
+def test_serving_overheads_are_added():
+    # the profile's serving path: +10 ms per request (disaggregated), +2 ms per later token
+    m = synthetic(prefill_fixed_ms=2.0, prefill_ms_per_token=0.05, decode_fixed_ms=1.0, decode_ms_per_seq=0.5,
+                  migration_fixed_ms=3.0, migration_ms_per_token=0.01, request_overhead_ms=10.0,
+                  token_overhead_ms=2.0)
+    (o,) = simulate([Req(0, 0.0, 100, 5)], m, SimConfig(prefill=1, decode=1))
+    assert o.first_s * 1e3 == pytest.approx(m.prefill_ms(100) + m.migration_ms(100) + 10.0)
+    assert (o.end_s - o.first_s) * 1e3 == pytest.approx(4 * (1.5 + 2.0))
+    prof = {"fits": {"prefill_fixed_ms": 1, "prefill_ms_per_token": 0, "decode_step_fixed_ms": 1,
+                     "decode_ms_per_sequence": 0, "migration_fixed_ms": 0, "migration_ms_per_byte": 0,
+                     "request_overhead_ms": {"colocated": 4.0, "disaggregated": 9.0},
+                     "token_overhead_ms": {"colocated": 0.5, "disaggregated": 2.5}, "contention": 0.3}}
+    pm = from_profile(prof)
+    assert pm.contention == 0.3 and from_profile(prof, 0.0).contention == 0.0
+    (c,) = simulate([Req(0, 0.0, 10, 3)], pm, SimConfig(colocated=1))
+    assert c.first_s * 1e3 == pytest.approx(1.0 + 4.0) and (c.end_s - c.first_s) * 1e3 == pytest.approx(3.0)
+    assert pm.request_overhead_ms("disaggregated") == 9.0 and pm.token_overhead_ms("disaggregated") == 2.5
 
 
 def test_memory_refusal_and_queueing():

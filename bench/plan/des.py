@@ -6,9 +6,12 @@ decode worker reserves blocks and the KV migrates: the uncached part of the prom
 the prefill, from the profile's migration fit) or on the decode worker itself. A request that
 could never fit an engine's pool is refused (it counts against goodput). The first token is out
 when the prefill ends (colocated, local) or when the migration lands (disaggregated); every
-further token at the end of a decode step that carried it. `overhead_ms` is added to every TTFT
-(HTTP, coordinator, client: nothing the profile measures). Idle engines start a step whenever
-they have work; an engine stepping while others step is stretched by the model's `contention`.
+further token at the end of a decode step that carried it. The serving path's cost is added
+afterwards: the model's `request_overhead_ms(kind)` plus `overhead_ms` (an extra, from the
+command line) to every TTFT, its `token_overhead_ms(kind)` to every later token's interval (kind:
+'colocated' or 'disaggregated', the configuration's, whatever path a request took).
+Idle engines start a step whenever they have work; an engine stepping while others step is
+stretched by the model's `contention`.
 """
 
 from __future__ import annotations
@@ -192,11 +195,14 @@ class Simulation:
             else:
                 self._migrated(*data)
             self._kick()
-        shift = self.c.overhead_ms / 1e3  # the whole stream starts later; TPOT is unchanged
+        kind = "colocated" if self.c.colocated else "disaggregated"
+        shift = (self.c.overhead_ms + self.model.request_overhead_ms(kind)) / 1e3  # the stream starts later
+        per_token = self.model.token_overhead_ms(kind) / 1e3  # and every later token comes later still
         for o in self.out.values():
             if o.first_s is not None:
                 o.first_s += shift
-                o.end_s = None if o.end_s is None else o.end_s + shift
+                late = shift + per_token * (o.req.output_tokens - 1)
+                o.end_s = None if o.end_s is None else o.end_s + late
         return [self.out[i] for i in sorted(self.out)]
 
 

@@ -8,7 +8,12 @@ since one forward pass carries both (Sarathi-style mixed steps). A migration of 
 `contention` is what the profile does not measure: the profile runs one engine alone, so when
 other engines of the same machine step at the same time, each step is stretched by
 `1 + contention * (other busy engines)` (0: engines never slow each other; 1: two engines on
-cores enough for one, as two workers on this 2-core machine).
+cores enough for one, as two workers on this 2-core machine); a profile that measured it
+(`fits.contention`: two engines stepping at once against one) supplies the default.
+The serving path (HTTP, coordinator, ZeroMQ, per-step reports, detokenizing, SSE) adds what the
+profile's serving part measured per configuration kind ('colocated', 'disaggregated'):
+`request_overhead_ms(kind)` to every TTFT and `token_overhead_ms(kind)` to every later token's
+interval (0 for a profile taken with --no-serving).
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ class StepModel:
     block_size: int = 16
     contention: float = 0.0     # step stretch per other engine busy at the same time (see module doc)
     crossover_tokens: int | None = None  # the profile's suggested local_prefill_max_tokens
+    overhead_colocated_ms: float = 0.0         # serving path, per request (TTFT) and per token
+    overhead_disaggregated_ms: float = 0.0
+    token_overhead_colocated_ms: float = 0.0
+    token_overhead_disaggregated_ms: float = 0.0
+
+    def request_overhead_ms(self, kind: str) -> float:
+        return self.overhead_colocated_ms if kind == "colocated" else self.overhead_disaggregated_ms
+
+    def token_overhead_ms(self, kind: str) -> float:
+        colo = kind == "colocated"
+        return self.token_overhead_colocated_ms if colo else self.token_overhead_disaggregated_ms
 
     def step_ms(self, batch: int, context: int, prefill_tokens: int, others_busy: int = 0) -> float:
         fixed = max(self.decode_fixed_ms if batch else 0.0, self.prefill_fixed_ms if prefill_tokens else 0.0)
@@ -57,21 +73,28 @@ def _decode_fit(rows: list[dict], fits: dict) -> tuple[float, float, float]:
     return fits["decode_step_fixed_ms"], fits["decode_ms_per_sequence"], 0.0
 
 
-def from_profile(profile: dict, contention: float = 0.0) -> StepModel:
-    """The model of a `pdserve profile` report (its `fits`, and its raw `decode` rows)."""
+def from_profile(profile: dict, contention: float | None = None) -> StepModel:
+    """The model of a `pdserve profile` report (its `fits`, and its raw `decode` rows); contention
+    None: the profile's measured factor, 0 where it has none."""
     f = profile["fits"]
+    if contention is None:
+        contention = float(f.get("contention") or 0.0)
+    req, tok = f.get("request_overhead_ms") or {}, f.get("token_overhead_ms") or {}
+    over = [float(d.get(k) or 0.0) for d in (req, tok) for k in ("colocated", "disaggregated")]
     d0, ds, dc = _decode_fit(profile.get("decode", []), f)
     pos = lambda x: max(0.0, float(x))  # noqa: E731  (noise can fit a negative slope)
     return StepModel(pos(f["prefill_fixed_ms"]), pos(f["prefill_ms_per_token"]), pos(d0), pos(ds), pos(dc),
                      pos(f["migration_fixed_ms"]), pos(f["migration_ms_per_byte"]),
                      float(f.get("kv_bytes_per_token") or 0.0),
                      int(profile.get("config", {}).get("block_size", 16)), contention,
-                     f.get("local_prefill_max_tokens"))
+                     f.get("local_prefill_max_tokens"), *over)
 
 
 def synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.01, decode_fixed_ms=1.0,
               decode_ms_per_seq=0.1, migration_fixed_ms=1.0, migration_ms_per_token=0.001,
-              block_size=16, contention=0.0) -> StepModel:
-    """A hand-written model (tests, what-ifs): migration given per token (1 byte per token)."""
+              block_size=16, contention=0.0, request_overhead_ms=0.0, token_overhead_ms=0.0) -> StepModel:
+    """A hand-written model (tests, what-ifs): migration given per token (1 byte per token); the
+    serving overheads the same for both kinds."""
     return StepModel(prefill_fixed_ms, prefill_ms_per_token, decode_fixed_ms, decode_ms_per_seq, 0.0,
-                     migration_fixed_ms, migration_ms_per_token, 1.0, block_size, contention)
+                     migration_fixed_ms, migration_ms_per_token, 1.0, block_size, contention, None,
+                     request_overhead_ms, request_overhead_ms, token_overhead_ms, token_overhead_ms)
