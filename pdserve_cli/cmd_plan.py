@@ -41,9 +41,11 @@ def add_arguments(p) -> None:
     p.add_argument("--step-budget", type=int, default=512, help="tokens per engine step (default 512)")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per engine (default 1024)")
     p.add_argument("--local-prefill-max-tokens", type=int, help="auto's limit (default ClusterConfig's)")
-    p.add_argument("--contention", type=float, default=0.0,
-                   help="step stretch per other busy engine on the same cores (the profile has none; 0)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed serving-path ms added to every TTFT")
+    p.add_argument("--contention", type=float, default=None,
+                   help="step stretch per other busy engine on the same cores (default: the profile's "
+                   "measured factor, 0 if it has none)")
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="extra ms added to every TTFT, beyond the profile's measured serving overheads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot predicted goodput against rate")
@@ -92,15 +94,18 @@ def run(args) -> int:
     result = plan(at, model, args.budget, sorted(args.rates), target, base, median_prompt)
     threshold = {"local_prefill_max_tokens": local_max, "profile_crossover": model.crossover_tokens}
     print(f"SLO: TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms, attainment {args.attainment:.0%}; "
-          f"contention {args.contention:g}, overhead {args.overhead_ms:g} ms")
+          f"contention {model.contention:g}; serving overhead per request / token: colocated "
+          f"{model.overhead_colocated_ms:.1f} / {model.token_overhead_colocated_ms:.2f} ms, disaggregated "
+          f"{model.overhead_disaggregated_ms:.1f} / {model.token_overhead_disaggregated_ms:.2f} ms"
+          + (f", extra {args.overhead_ms:g} ms" if args.overhead_ms else ""))
     print(format_plan(result, threshold))
     out = to_json(result, threshold, {"profile": args.profile, "rates": list(args.rates), "slo": vars(slo),
-                                      "attainment": args.attainment, "contention": args.contention,
+                                      "attainment": args.attainment, "contention": model.contention,
                                       "overhead_ms": args.overhead_ms, "median_prompt": median_prompt})
     if args.validate:
         from bench.plan.validate import format_validate, run_validate
 
-        v = run_validate(model, args.rates, args.validate_requests, slo, args.contention or 1.0,
+        v = run_validate(model, args.rates, args.validate_requests, slo, model.contention or 1.0,
                          log=lambda m: print(m, flush=True))
         print("\nvalidation: measured / predicted (contention 0) / predicted (contention c), ms and req/s")
         print(format_validate(v))
