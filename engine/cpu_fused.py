@@ -22,10 +22,7 @@ def available() -> bool:
 
 
 def _lib():
-    lib = cpu_kernels.load("fused")
-    if lib is None:
-        raise RuntimeError("the fused CPU kernels are not available")
-    return lib
+    return cpu_kernels.require("fused", "fused CPU kernels")
 
 
 def _require(ok: bool, what: str) -> None:

@@ -82,6 +82,14 @@ def _build(name: str, compiler: str) -> Path:
 
 
 @functools.cache
+def require(name: str, what: str) -> ctypes.CDLL:
+    """`load(name)`, or RuntimeError naming `what` when it is not available."""
+    lib = load(name)
+    if lib is None:
+        raise RuntimeError(f"the {what} are not available")
+    return lib
+
+
 def load(name: str) -> ctypes.CDLL | None:
     """Library `name` of LIBRARIES with its signatures set, or None (no compiler, a failed build,
     or PDSERVE_CPU_KERNEL=0)."""

@@ -27,10 +27,7 @@ def available() -> bool:
 
 
 def _lib():
-    lib = cpu_kernels.load("lowp_gemv")
-    if lib is None:
-        raise RuntimeError("the low-precision CPU gemv kernel is not available")
-    return lib
+    return cpu_kernels.require("lowp_gemv", "low-precision CPU gemv kernels")
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None,

@@ -81,14 +81,31 @@ def serve(loop, backend, config: HTTPConfig | None = None) -> Server:
     return Server(loop, backend, runner, port)
 
 
+def serving(loop, backend):
+    """Generator for module fixtures: the HTTP app over `backend` (started here), cleaned up and
+    the backend closed afterwards."""
+    served = serve(loop, backend.start())
+    try:
+        yield served
+    finally:
+        asyncio.run_coroutine_threadsafe(served.runner.cleanup(), loop).result(30)
+        backend.close()
+
+
+def serving_smollm2(loop):
+    """`serving` over an in-process SmolLM2 engine (weights shared with the other SmolLM2 tests)."""
+    from smollm2_helpers import engine_model
+
+    from engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="smollm2", num_blocks=128), loaded=engine_model())
+    yield from serving(loop, LocalEngineBackend(engine=engine))
+
+
 def serve_local(loop):
     """Generator behind the `http_server` fixture (conftest.py): the app over a started
     LocalEngineBackend, cleaned up and closed afterwards."""
-    backend = LocalEngineBackend(CONFIG).start()
-    served = serve(loop, backend)
-    yield served
-    asyncio.run_coroutine_threadsafe(served.runner.cleanup(), loop).result(30)
-    backend.close()
+    yield from serving(loop, LocalEngineBackend(CONFIG))
 
 
 def settled(server: Server) -> bool:

@@ -10,18 +10,15 @@ that need no model still run).
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from http_harness import serve
+from http_harness import serving_smollm2
 from smollm2_helpers import SKIP, engine_model, hf_tokenizer
 
-from coordinator.backend import LocalEngineBackend
 from coordinator.chat import parse_chat_request
 from coordinator.protocol import InvalidRequest
 from engine.chat_template import ChatTemplate, ChatTemplateError
-from engine.engine import EngineConfig, LLMEngine
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"model": "smollm2", "temperature": 0, "max_tokens": 12}
@@ -30,13 +27,7 @@ GREEDY = {"model": "smollm2", "temperature": 0, "max_tokens": 12}
 @pytest.fixture(scope="module")
 def chat_server(http_loop):
     """The HTTP app over a LocalEngineBackend running SmolLM2 (weights shared with test_gguf)."""
-    model, config, tok = engine_model()
-    engine = LLMEngine(EngineConfig(model="smollm2", num_blocks=128), loaded=(model, config, tok))
-    backend = LocalEngineBackend(engine=engine).start()
-    served = serve(http_loop, backend)
-    yield served
-    asyncio.run_coroutine_threadsafe(served.runner.cleanup(), http_loop).result(30)
-    backend.close()
+    yield from serving_smollm2(http_loop)
 
 
 def _sse(raw: bytes) -> list:

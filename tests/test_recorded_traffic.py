@@ -8,13 +8,11 @@ usage.prompt_tokens_details.cached_tokens counts the prefix-cache hit."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
-from http_harness import CONFIG, serve
+from http_harness import CONFIG, serving, serving_smollm2
 from recorded_checks import RECORDED, check_answer
-from smollm2_helpers import SKIP, engine_model
+from smollm2_helpers import SKIP
 
 from coordinator.backend import LocalEngineBackend
 from engine.engine import LLMEngine
@@ -26,23 +24,12 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def smollm2_server(http_loop):
-    from engine.engine import EngineConfig
-    model, config, tok = engine_model()
-    engine = LLMEngine(EngineConfig(model="smollm2", num_blocks=128), loaded=(model, config, tok))
-    backend = LocalEngineBackend(engine=engine).start()
-    served = serve(http_loop, backend)
-    yield served
-    asyncio.run_coroutine_threadsafe(served.runner.cleanup(), http_loop).result(30)
-    backend.close()
+    yield from serving_smollm2(http_loop)
 
 
 @pytest.fixture(scope="module")
 def tiny_server(http_loop):
-    backend = LocalEngineBackend(CONFIG).start()
-    served = serve(http_loop, backend)
-    yield served
-    asyncio.run_coroutine_threadsafe(served.runner.cleanup(), http_loop).result(30)
-    backend.close()
+    yield from serving(http_loop, LocalEngineBackend(CONFIG))
 
 
 @SKIP
