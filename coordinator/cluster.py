@@ -46,6 +46,7 @@ from coordinator.workers import (
     tell,
 )
 from protocol.messages import Abort, Submit
+from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
 
     def __init__(self, config: ClusterConfig | None = None, metrics: Metrics | None = None):
         config = config or ClusterConfig()
-        if config.transport not in ("zmq", "ray"):
-            raise ValueError(f"transport must be 'zmq' or 'ray', got {config.transport!r}")
+        validate_transport(config.transport)  # ValueError naming the registered transports
         if config.colocated < 0:
             raise ValueError(f"colocated must be >= 0, got {config.colocated}")
         if not config.colocated and (config.prefill < 1 or config.decode < 1):

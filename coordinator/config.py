@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class ClusterConfig:
     prefill: int = 1                  # prefill workers
     decode: int = 1                   # decode workers
-    transport: str = "zmq"            # how KV moves: 'zmq' or 'ray'
+    transport: str = "zmq"            # how KV moves: a name in transfer.registry (zmq, ray)
     stream_migration: bool = True     # ship a prompt's KV while it is still being prefilled
     model: str = "tiny"               # 'tiny' or a checkpoint directory
     block_size: int = 16              # KV block size (prefill workers; decode too unless decode_block_size)

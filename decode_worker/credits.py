@@ -33,15 +33,16 @@ class Reservation:
 
 
 class Credits:
-    def __init__(self, block_size: int, ttl_s: float, room_blocks: int):
+    def __init__(self, block_size: int, ttl_s: float, room_blocks: int, make_room=None):
         self.block_size, self.ttl_s = block_size, ttl_s
         self._lock = threading.Lock()
         self._reserved: dict[str, Reservation] = {}
         self._room = room_blocks  # free + cached blocks as of the last settle
         self.refused = 0
-        # the owner's way to keep a credit's promise when the pool is short anyway (preempting running
-        # requests; the decode handler sets it), called by a receiver on the owner's thread
-        self.make_room = lambda blocks: None
+        # make_room(blocks): the owner's way to keep a credit's promise when the pool is short anyway
+        # (the decode handler passes its scheduler's: preempting running requests), called by a receiver
+        # on the owner's thread (transfer.admission)
+        self.make_room = make_room or (lambda blocks: None)
 
     def reserve(self, rid: str, epoch: int, num_tokens: int, n: int, sender: str) -> bool:
         """Grant credit if the room of the last settle minus the credit already granted holds it; a

@@ -1,8 +1,9 @@
 """The decode role on the worker runtime: receive KV, join it to the batch, stream tokens.
 
-The loop waits on the KV receiver (ZeroMQ) or on its command queue (Ray transport, whose actor
-calls arrive as the commands of decode_worker.ray_commands; idle streams are expired each
-iteration, and an `Abort` ends the request's streams). Both hand a committed
+The receiver comes from the transport's entry in `transfer.registry`. The loop waits on it (a
+polled transport: ZeroMQ) or on its command queue (the Ray transport, whose actor calls arrive
+as the commands of decode_worker.ray_commands; the receiver's `poll` then only expires idle
+streams each iteration). An `Abort` ends the request's transfers still landing. Both hand a committed
 import to `_imported` the same way: it joins the continuous batch with `add_imported` only when
 its epoch is the one the coordinator reserved for that request; a stale or aborted import is
 freed at once, uncached. Each migrated sequence travels under the transfer id
@@ -29,6 +30,8 @@ from runtime.actor import QUEUE, WorkerConfig
 from runtime.holdings import blocks_by_request
 from transfer.errors import TransferError
 from transfer.metrics import DEFAULT_METRICS
+from transfer.registry import get as get_transport
+from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)
 MAX_EXPECTED = 100_000  # bound on remembered request registrations (aborts normally remove them)
@@ -37,7 +40,7 @@ COMMAND_POLL_S = 0.002  # ZeroMQ: the longest a queued command (a local prefill'
 
 @dataclass(frozen=True)
 class DecodeWorkerConfig(WorkerConfig):
-    transport: str = "zmq"       # how KV arrives: 'zmq' or 'ray'
+    transport: str = "zmq"       # how KV arrives: a name in transfer.registry
     # interface the ZeroMQ receiver binds (port picked freely; a non-loopback host binds this node's IP)
     kv_host: str = "127.0.0.1"
     reserve_ttl_s: float = 60.0  # a reservation whose imports have not all arrived by then is released
@@ -48,18 +51,24 @@ class DecodeWorkerConfig(WorkerConfig):
     sibling_wait_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.transport not in ("zmq", "ray"):
-            raise ValueError(f"transport must be 'zmq' or 'ray', got {self.transport!r}")
+        validate_transport(self.transport)
 
 
 class DecodeHandler:
     def __init__(self, config: DecodeWorkerConfig, engine):
+        """NOTE: the engine's pool must have been built with `held_back` calling this handler's
+        `held_back` (decode_worker.worker does): the running requests' growth must not eat the room
+        promised to coming migrations (an import that found the pool full would fail its request)."""
         from transfer.transport import TransportConfig, tcp_address
 
         self.config, self.engine = config, engine
+        self.transport = get_transport(config.transport)
         usage = engine.kv.usage()
+        # the scheduler preempts when an admitted import finds the pool short: the promise is kept even
+        # if growth raced it
         self.credits = Credits(engine.config.block_size, config.reserve_ttl_s,
-                               usage["free_blocks"] + usage["cached_blocks"])
+                               usage["free_blocks"] + usage["cached_blocks"],
+                               make_room=engine.scheduler.make_room)
         self.imported: list[tuple[str, int]] = []  # (request, epoch) since the last settle
         self.expected: dict[str, tuple[int, set[str]]] = {}  # request id -> (epoch, transfer ids running)
         self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
@@ -67,22 +76,13 @@ class DecodeHandler:
         self.refused_imports = 0
         self.local = LocalPrefill(engine)  # requests prefilled here (coordinator.decide's local path)
         keys = config.keys
-        transport = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
-                                    secret=keys.secret if keys else "")
-        if config.transport == "zmq":
-            self.receiver = _bind_receiver(engine.kv, transport, self.credits, config.kv_port_min,
-                                           config.kv_port_max)
-            self.address = self.receiver.address
-        else:
-            from transfer.ray_transport import RayReceiverEndpoint
-            self.receiver = RayReceiverEndpoint(engine.kv, transport, admission=self.credits)
-            self.address = f"ray://{config.name}"
-        # NOTE: the running requests' growth must not eat the room promised to coming migrations (an
-        # import that found the pool full would fail its request): the scheduler preempts instead
-        engine.kv.held_back = self._held_back
-        self.credits.make_room = engine.scheduler.make_room  # the promise is kept even if growth raced it
+        endpoint = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
+                                   secret=keys.secret if keys else "")
+        self.receiver = self.transport.make_receiver(engine.kv, endpoint, admission=self.credits,
+                                                     port_min=config.kv_port_min, port_max=config.kv_port_max)
+        self.address = self.receiver.address
 
-    def _held_back(self) -> int:
+    def held_back(self) -> int:
         """Credit not yet turned into blocks: granted, minus what imports still landing allocated."""
         landing = self.receiver.in_flight()  # imports (or streams) reserved, not committed yet
         return max(0, self.credits.reserved_blocks() - sum(len(b) for b in landing.values()))
@@ -108,10 +108,9 @@ class DecodeHandler:
 
     # ---- the loop thread --------------------------------------------------------------------------
     def wait(self, loop, timeout: float, events: list) -> None:
-        if self.config.transport != "zmq":
+        if not self.transport.capabilities.polled:  # imports arrive as commands (`handle`)
             loop.drain(events, timeout)
-            if self.receiver.expire_streams():  # a stream gone idle (its prefill died): blocks returned
-                log.warning("%s: an idle KV stream expired", self.config.name)
+            self.receiver.poll(0)  # housekeeping: a stream gone idle (its prefill died) returns its blocks
             return
         loop.drain(events)
         try:
@@ -170,10 +169,7 @@ class DecodeHandler:
         return None
 
     def _abort(self, rid: str) -> None:
-        if self.config.transport == "ray":
-            self.receiver.abort_streams(rid)  # its reservation is returned now, not at the idle bound
-        else:
-            self.receiver.abort_request(rid)  # the same for a ZeroMQ transfer still landing
+        self.receiver.abort_request(rid)  # its reservation is returned now, not at the idle bound
         _, running = self.expected.pop(rid, (0, set()))
         self.due.pop(rid, None)
         for transfer_id in running:
@@ -256,28 +252,7 @@ class DecodeHandler:
         return blocks_by_request(self.engine, self.engine.requests, _request_of, landing)
 
     def close(self) -> None:
-        if hasattr(self.receiver, "close"):
-            self.receiver.close()
-
-
-def _bind_receiver(manager, transport, admission, port_min: int, port_max: int):
-    """A ZeroMQ receiver on the first free port of [port_min, port_max] (any port when 0)."""
-    import dataclasses
-
-    import zmq
-
-    from transfer.zmq_transport import ZmqReceiver
-
-    if not port_min:
-        return ZmqReceiver(manager, transport, admission=admission)
-    host = transport.address.rsplit(":", 1)[0]
-    for port in range(port_min, max(port_min, port_max) + 1):
-        try:
-            return ZmqReceiver(manager, dataclasses.replace(transport, address=f"{host}:{port}"),
-                               admission=admission)
-        except zmq.ZMQError:  # taken: the next one
-            continue
-    raise RuntimeError(f"no free KV receiver port in {port_min}..{port_max}")
+        self.receiver.close()
 
 
 def _request_of(transfer_id: str) -> str:

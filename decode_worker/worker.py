@@ -24,6 +24,10 @@ class DecodeWorker(WorkerActor):
     def make_handler(self, config, engine):
         return DecodeHandler(config, engine)
 
+    def engine_hooks(self) -> dict:
+        # NOTE: the pool is built before the handler; nothing allocates until the handler exists
+        return {"held_back": lambda: self.handler.held_back()}
+
     # Ray transport entry points (RaySender calls these)
     def kv_hello(self, connection: str, data: bytes) -> bytes:
         return self.loop.call(KvHello(connection, data))

@@ -73,8 +73,9 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded=None):
-        """`loaded` = (model, model_config, tokenizer) to share one model between engines."""
+    def __init__(self, config: EngineConfig, loaded=None, held_back=None):
+        """`loaded` = (model, model_config, tokenizer) to share one model between engines; `held_back`:
+        the pool's blocks promised to coming imports (kvcache.manager; a decode worker's handler)."""
         from engine.loader import load_model
 
         self.config = config
@@ -92,7 +93,7 @@ class LLMEngine:
         host = None if config.num_host_blocks <= 0 else \
             KVStorage(layout, config.num_host_blocks, device="cpu", pin_memory=self.device.type == "cuda")
         self.kv = KVCacheManager(BlockAllocator(config.num_blocks), config.block_size, self.storage,
-                                 config.enable_prefix_caching, host)
+                                 config.enable_prefix_caching, host, held_back=held_back)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         kernel = config.cpu_kernels and self.backend.name == "torch" and \
             cpu_attention.applies(self.device, self.storage.data.dtype, self.model_config.head_dim)

@@ -28,7 +28,8 @@ class KVCacheManager:
     """Block tables plus the policies that keep them consistent with the allocator."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, storage: KVStorage | None = None,
-                 enable_prefix_caching: bool = True, host_storage: KVStorage | None = None):
+                 enable_prefix_caching: bool = True, host_storage: KVStorage | None = None,
+                 held_back: Callable[[], int] | None = None):
         if storage is not None and storage.num_blocks != allocator.num_blocks:
             raise ValueError("storage and allocator disagree on the number of blocks")
         if storage is not None and storage.layout.block_size != block_size:
@@ -39,9 +40,9 @@ class KVCacheManager:
             raise ValueError(f"host storage layout {host_storage.layout} differs from the device "
                              f"storage layout {storage.layout}; swapped blocks would not fit")
         self.allocator = allocator
-        # blocks promised to coming imports but not allocated yet (the decode role sets it): the
-        # scheduler's growth and admission must leave them
-        self.held_back: Callable[[], int] = lambda: 0
+        # blocks promised to coming imports but not allocated yet (the decode role passes its count):
+        # the scheduler's growth and admission must leave them
+        self.held_back: Callable[[], int] = held_back or (lambda: 0)
         self.block_size = block_size
         self.storage = storage
         self.enable_prefix_caching = enable_prefix_caching

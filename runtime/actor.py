@@ -77,7 +77,8 @@ class WorkerActor:
         engine = dict(self.config.engine or {})
         engine["model"], self.model_source = resolve(engine.get("model", "tiny"), self.config.model_files,
                                                      prefer_local=not self.config.fetch_model)
-        self.engine = LLMEngine(EngineConfig(**{**engine, **self.engine_options(), "role": self.role}))
+        self.engine = LLMEngine(EngineConfig(**{**engine, **self.engine_options(), "role": self.role}),
+                                **self.engine_hooks())
         self.handler = self.make_handler(self.config, self.engine)
         self._events = PushQueue(self.config.events_address, keys=self.config.keys)  # the loop thread's
         c = self.config
@@ -92,6 +93,10 @@ class WorkerActor:
 
     def engine_options(self) -> dict:
         """EngineConfig fields this role sets over the cluster's engine settings."""
+        return {}
+
+    def engine_hooks(self) -> dict:
+        """LLMEngine keyword arguments this role passes (callables into its handler, e.g. `held_back`)."""
         return {}
 
     # ---- actor methods ----------------------------------------------------------------------------

@@ -10,28 +10,35 @@ and re-blocked (`reblock`) for senders that did not), staged through pinned host
 device pools (`staging`), with duplicate prefix blocks shared rather than sent (`blocks`), stale
 epochs refused (`epochs`) and sender blocks leased until the ack (`lease`). Payloads under
 `TransportConfig.inline_bytes` make one round trip: no dedupe query, the receiver shares what it
-caches. Two transports follow one contract (`transport`): ZeroMQ control over tcp/ipc
-(`zmq_sender`, `zmq_receiver`, `zmq_payload`, `zmq_handshake`, `zmq_wire`) with the payload on a
-raw TCP/Unix data stream (`stream_wire`, `stream_sender`, `stream_receiver`) or in ZeroMQ frames,
-and Ray (`ray_transport`). A streamed migration offers a sequence while its prompt is still being
-computed (`stream_export`; over Ray: `ray_stream`, `ray_stream_receiver`). `faults` injects the
-chaos benchmark's transfer faults on the sending side. Every failure is a typed
-`errors.TransferError`, counted in `metrics`, and leaves the receiver's pool unchanged. The
-migration benchmark (`pdserve bench migrate`) and its synthetic pools live in the top-level
-`bench` package, which nothing here imports.
+caches. Two transports follow one contract (`transport`, `channel`), found by name in `registry`:
+ZeroMQ control over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_payload`, `zmq_handshake`,
+`zmq_wire`) with the payload on a raw TCP/Unix data stream (`stream_wire`, `stream_sender`,
+`stream_receiver`) or in ZeroMQ frames, and Ray (`ray_transport`). A streamed migration offers a
+sequence while its prompt is still being computed (`stream_export`; over Ray: `ray_stream`,
+`ray_stream_receiver`). `faults` injects the chaos benchmark's transfer faults on the sending
+side. Every failure is a typed `errors.TransferError`, counted in `metrics`, and leaves the
+receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its synthetic
+pools live in the top-level `bench` package, which nothing here imports.
 
 Entry points for workers: `export_sequence` / `import_sequence` (in process), `ImportSession`
 (driven chunk by chunk), `ZmqSender.migrate` / `ZmqReceiver.poll`, `RaySender.migrate` /
 `RayReceiverEndpoint`.
 """
 
-from transfer.errors import TransferError
-from transfer.export import ExportConfig, ExportedSequence, export_sequence
-from transfer.importer import ImportResult, ImportSession, import_sequence
-from transfer.messages import PROTOCOL_VERSION, DecodeState, Manifest
-from transfer.schema import Limits
-from transfer.transport import TransportConfig, migrate
+from importlib import import_module
 
-__all__ = ["TransferError", "ExportConfig", "ExportedSequence", "export_sequence", "ImportResult",
-           "ImportSession", "import_sequence", "PROTOCOL_VERSION", "DecodeState", "Manifest", "Limits",
-           "TransportConfig", "migrate"]
+# loaded on first use (PEP 562): `transfer.registry` and `transfer.channel` stay torch-free for the
+# coordinator, which validates transport names with them
+_EXPORTS = {"TransferError": "transfer.errors", "ExportConfig": "transfer.export",
+            "ExportedSequence": "transfer.export", "export_sequence": "transfer.export",
+            "ImportResult": "transfer.importer", "ImportSession": "transfer.importer",
+            "import_sequence": "transfer.importer", "PROTOCOL_VERSION": "transfer.messages",
+            "DecodeState": "transfer.messages", "Manifest": "transfer.messages", "Limits": "transfer.schema",
+            "TransportConfig": "transfer.transport", "migrate": "transfer.transport"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

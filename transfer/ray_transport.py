@@ -19,6 +19,7 @@ manifest, offsets)`, each returning msgpack bytes, and for streamed migrations (
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -46,6 +47,7 @@ from transfer.reblock import CompatPlan, check_compatible
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig, check_reply, make_hello, migrate
 
+log = logging.getLogger(__name__)
 
 class RayReceiverEndpoint(RayHandshakeMixin, RayStreamMixin):
     """Decode side. Call its methods from the actor that owns `manager` (one thread)."""
@@ -62,6 +64,29 @@ class RayReceiverEndpoint(RayHandshakeMixin, RayStreamMixin):
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
         self.pools: dict[str, object] = {}  # connection -> its same-node sender's pool (ray_shm.PeerPool)
         self._init_streams()
+
+    # ---- transfer.channel.ReceiverEndpoint: imports arrive as the owner's calls, not through poll
+    @property
+    def address(self) -> str:
+        return f"ray://{self.config.peer_name}"  # senders find the actor by this name
+
+    def poll(self, timeout: float) -> None:
+        """Housekeeping only, returning at once: streams gone idle (their prefill died) are aborted,
+        their blocks returned. Committed imports come back from `receive` and `stream_call`."""
+        if self.expire_streams():
+            log.warning("%s: an idle KV stream expired", self.config.peer_name)
+        return None
+
+    def abort_request(self, request_id: str) -> int:
+        """The request was aborted: its streams end now, their reservation returned."""
+        return self.abort_streams(request_id)
+
+    def close(self) -> None:
+        """Open streams end (their blocks returned); handshakes and mapped sender pools are forgotten."""
+        for request_id in {t.rpartition("/")[0] for t in self.in_flight()}:
+            self.abort_streams(request_id)
+        self.plans.clear()
+        self.pools.clear()
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
         if not counted:
@@ -204,6 +229,10 @@ class RaySender:
         self.metrics.add("transfers")
         self.metrics.add("bytes_sent", m.payload_bytes)
         return ack
+
+    def close(self) -> None:
+        """Nothing held open (actor calls); the next migration handshakes again."""
+        self.plan = None
 
     def migrate_streamed(self, manager, request_id: str, epoch: int, token_ids: list[int], sampling: dict,
                          feed, extra_key: str | None = None, timeout: float | None = None) -> Ack:

@@ -1,4 +1,5 @@
-"""A prefill worker's senders: one open connection per decode worker, over ZeroMQ or Ray.
+"""A prefill worker's senders: one open connection per decode worker, over a transport of
+`transfer.registry` (its `make_sender`).
 
 `get(name, address)` returns the sender for a decode worker, creating it (and its handshake on
 first use); `connect` performs the handshake now and returns an error message instead of
@@ -11,14 +12,14 @@ from __future__ import annotations
 
 from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
 from transfer.faults import Faults
+from transfer.registry import get as get_transport
 from transfer.transport import TransportConfig
 
 
 class SenderPool:
     def __init__(self, peer_name: str, transport: str, fingerprint: dict, namespace: str = "",
                  transfer_timeout_s: float = 30.0, secret: str = "", pool=None):
-        if transport not in ("zmq", "ray"):
-            raise ValueError(f"transport must be 'zmq' or 'ray', got {transport!r}")
+        self.kind = get_transport(transport)  # ValueError for an unregistered name
         self.peer_name, self.transport, self.fingerprint = peer_name, transport, dict(fingerprint)
         self.namespace, self.transfer_timeout_s, self.secret = namespace, transfer_timeout_s, secret
         self.pool = pool  # the worker's KVStorage (Ray: a /dev/shm pool is read in place on one node)
@@ -31,17 +32,9 @@ class SenderPool:
             config = TransportConfig(address=address, peer_name=self.peer_name, receiver=name,
                                      transfer_timeout_s=self.transfer_timeout_s,
                                      connect_timeout_s=min(10.0, self.transfer_timeout_s),
-                                     checksum_mode="manifest" if self.transport == "ray" else "inline",
-                                     secret=self.secret)
-            if self.transport == "ray":
-                import ray
-
-                from transfer.ray_transport import RaySender
-                sender = RaySender(self.fingerprint, ray.get_actor(name, namespace=self.namespace), config,
-                                   faults=self.faults, pool=self.pool)
-            else:
-                from transfer.zmq_transport import ZmqSender
-                sender = ZmqSender(self.fingerprint, config, faults=self.faults)
+                                     checksum_mode=self.kind.checksum_mode, secret=self.secret)
+            sender = self.kind.make_sender(self.fingerprint, config, receiver=name, namespace=self.namespace,
+                                           faults=self.faults, pool=self.pool)
             self._senders[name] = sender
         return sender
 
@@ -60,7 +53,7 @@ class SenderPool:
 
     def drop(self, name: str) -> None:
         sender = self._senders.pop(name, None)
-        if sender is not None and hasattr(sender, "close"):
+        if sender is not None:
             sender.close()
 
     def close(self) -> None:

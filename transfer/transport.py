@@ -1,7 +1,8 @@
 """The transport contract both transports (`zmq_transport`, `ray_transport`) implement, and the
 frozen config they read their addresses and timeouts from.
 
-Duck-typed contract (no base class; both are small and concrete):
+The contract, as `typing.Protocol`s in `transfer.channel` (structural: no base class), with each
+transport's factories in `transfer.registry`:
 
 Sender (prefill side, one per connection to a receiver):
   connect(timeout=None) -> CompatPlan      handshake: layouts compared once per connection
@@ -17,6 +18,8 @@ Receiver (decode side):
                                            import, raise the typed error of a failed one (already
                                            nacked, counted, and its reservation released), or
                                            None when `timeout` passes with nothing committed
+                                           (Ray: imports arrive as actor calls; poll only expires)
+  in_flight() / abort_request(request_id)  transfers still landing; end a request's
   close()
 Every wait is bounded by a timeout from `TransportConfig`.
 """
