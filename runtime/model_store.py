@@ -83,7 +83,7 @@ def resolve(spec: str, published: dict | None, prefer_local: bool = True, root: 
     """(local path to load, source). prefer_local=False fetches even when the path exists here
     (tests use it to take the object-store path on one machine); root overrides the cache dir;
     fetch turns published['ref'] into {name: bytes} (default: ray.get)."""
-    if published is None or (prefer_local and os.path.exists(spec)):
+    if published is None or (prefer_local and _present(spec, published)):
         return spec, "local"
     root = root or default_root()
     digest, sums = _check_record(published)
@@ -99,6 +99,16 @@ def resolve(spec: str, published: dict | None, prefer_local: bool = True, root: 
         os.close(root_fd)
     directory = os.path.join(root, digest)
     return (os.path.join(directory, published["name"]) if published["name"] else directory), source
+
+
+def _present(spec: str, published: dict) -> bool:
+    """The published files are at `spec` on this node: the file itself, or every file of the
+    directory (an empty directory, e.g. a mount point whose volume is missing, is not the model)."""
+    if os.path.isfile(spec):
+        return True
+    names = published.get("files")
+    return os.path.isdir(spec) and isinstance(names, dict) and bool(names) and all(
+        isinstance(n, str) and os.path.isfile(os.path.join(spec, n)) for n in names)
 
 
 def _check_record(published: dict) -> tuple[str, dict[str, str]]:

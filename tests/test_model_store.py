@@ -142,5 +142,18 @@ def test_a_record_without_a_consistent_digest_is_refused(tmp_path, bad):
 
 def test_a_local_path_or_a_named_model_never_touches_the_cache(tmp_path):
     assert ms.resolve("tiny", None, root=str(tmp_path / "c")) == ("tiny", "local")
-    assert ms.resolve(str(tmp_path), _record(), root=str(tmp_path / "c")) == (str(tmp_path), "local")
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, data in FILES.items():
+        (model / name).write_bytes(data)
+    assert ms.resolve(str(model), _record(), root=str(tmp_path / "c")) == (str(model), "local")
     assert not (tmp_path / "c").exists()
+
+
+def test_an_empty_directory_at_the_path_is_not_the_model(tmp_path):
+    """A mount point whose volume is missing (the path exists, the files do not): fetched."""
+    empty = tmp_path / "mnt"
+    empty.mkdir()
+    path, source = ms.resolve(str(empty), _record(), root=str(tmp_path / "c"), fetch=_fetch())
+    assert source == "object_store" and open(os.path.join(path, "config.json"), "rb").read() == FILES[
+        "config.json"]
