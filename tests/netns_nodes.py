@@ -6,7 +6,9 @@ and its own mount namespace (a fresh tmpfs on /dev/shm, its own Ray temp dir), r
 `ip netns exec NS unshare --mount sh -c 'mount -t tmpfs ... /dev/shm; exec ray start ... --block'`.
 Every node runs with Ray's token auth (a token file made here). A link can be shaped (tc tbf or
 htb: rate and burst, both directions), cut and restored (`ip link set ... down/up` on the host end
-of its veth), its byte counters read, and a whole node killed (every process in its namespace).
+of its veth), its byte counters read, a whole node killed (every process in its namespace), a node
+added to the running cluster (`add_node`) and a path hidden in one node's mount namespace (`hide`).
+Each node has its own model cache dir (PDSERVE_MODEL_CACHE); the head's GCS health checks are short.
 Everything made here (namespaces, bridge, veths, processes, Ray session dirs) is removed by
 `close()`, which the context manager, an atexit hook and a SIGTERM handler all call; it is
 idempotent. `unavailable()` says why the harness cannot run here (not root, no `ip`/`unshare`/
@@ -34,6 +36,11 @@ from dataclasses import dataclass, field
 from netns_sys import RAY, HarnessError, kill, restore_env, sh, tree, unavailable  # noqa: F401
 
 LOCK = os.path.join(tempfile.gettempdir(), "pdserve-netns.lock")
+# The head's GCS declares a silent node dead after ~4 failed 1 s health checks (Ray's defaults: 5
+# failed checks of up to 10 s each, over a minute), so a node lost or cut off for good is replaced
+# within seconds; a cut of 3 s (2 failed checks) still leaves the node alive.
+HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
+                    "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "4"}
 
 
 @dataclass(frozen=True)
@@ -160,13 +167,19 @@ class NetnsCluster:
             else:
                 raise ValueError(f"shaper must be 'tbf' or 'htb', got {shaper!r}")
 
+    def unshape(self, i: int) -> None:
+        """Node i's link unshaped again, both ways."""
+        ns, (host, inner) = self.namespaces[i], self.veths[i]
+        for prefix, dev in (((), host), (("ip", "netns", "exec", ns), inner)):
+            sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
     def _ray_args(self, temp: str, cpus: float, resources: dict) -> list[str]:
         return ["--num-cpus", f"{cpus:g}", "--resources", json.dumps(resources), "--temp-dir", temp,
                 "--object-store-memory", str(self.object_store_mb << 20), "--disable-usage-stats", "--block"]
 
-    def _spawn(self, cmd: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env(), **(env or {})},
                                 start_new_session=True)
         log.close()
         self.procs.append(proc)
@@ -177,7 +190,7 @@ class NetnsCluster:
         cmd = [RAY, "start", "--head", "--node-ip-address", self.head_ip, "--port", str(self.port),
                "--include-dashboard", "false",
                *self._ray_args(os.path.join(self.dir, "head"), self.head_cpus, {})]
-        self._spawn(cmd, "head")
+        self._spawn(cmd, "head", HEALTH_CHECK_ENV)
 
     def _wait_head(self) -> None:
         """Until the head says it started (bounded); the nodes join it only then."""
@@ -191,11 +204,30 @@ class NetnsCluster:
         ray = " ".join(shlex.quote(a) for a in [
             RAY, "start", "--address", self.address, "--node-ip-address", self.node_ip(i),
             *self._ray_args(os.path.join(self.dir, f"n{i}"), spec.num_cpus, spec.resources)])
-        script = f"mount -t tmpfs -o size={self.shm_mb}m tmpfs /dev/shm && exec {ray}"
+        # its own model cache (runtime.model_store), as a machine of its own has: not the shared ~/.cache
+        cache = shlex.quote(os.path.join(self.dir, f"cache{i}"))
+        script = (f"mount -t tmpfs -o size={self.shm_mb}m tmpfs /dev/shm && "
+                  f"PDSERVE_MODEL_CACHE={cache} exec {ray}")
         self._spawn(["ip", "netns", "exec", self.namespaces[i], "unshare", "--mount", "sh", "-c", script],
                     f"n{i}")
 
-    def wait_for_nodes(self) -> None:
+    def add_node(self, spec: NodeSpec) -> int:
+        """One more namespaced node, on the running cluster (e.g. a spare for replacements, placed
+        after the workers so they could not land there); returns its index. Waits until Ray lists
+        it alive when this process is connected."""
+        import ray
+
+        i = len(self.specs)
+        self.specs.append(spec)
+        self.namespaces.append(f"pdns-{self.tag}-{i}")
+        self.veths.append((f"pv{self.tag}{i}h", f"pv{self.tag}{i}n"))
+        self._namespace(i, spec)
+        self._start_node(i, spec)
+        if ray.is_initialized():
+            self.wait_for_nodes(alive_only=True)
+        return i
+
+    def wait_for_nodes(self, alive_only: bool = False) -> None:
         """In a driver connected with `ray.init(address=self.address)`: until every node is alive
         (bounded by start_timeout_s); HarnessError with the node logs otherwise."""
         import ray
@@ -203,10 +235,13 @@ class NetnsCluster:
         end = time.monotonic() + self.start_timeout_s
         want = {self.head_ip, *map(self.node_ip, range(len(self.specs)))}
         while time.monotonic() < end:
-            alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+            nodes = ray.nodes()
+            alive = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
+            if alive_only:  # nodes lost on purpose stay lost: only the others must be up
+                want -= {n["NodeManagerAddress"] for n in nodes if not n["Alive"]}
             if want <= alive:
                 return
-            if any(p.poll() is not None for p in self.procs):
+            if not alive_only and any(p.poll() is not None for p in self.procs):
                 break
             time.sleep(0.25)
         raise HarnessError(f"namespaced Ray nodes did not all come up: {self.logs()}")
@@ -264,6 +299,21 @@ class NetnsCluster:
         """Every process in node i's network namespace dies at once (SIGKILL)."""
         pids = [int(p) for p in sh("ip", "netns", "pids", self.namespaces[i], check=False).split()]
         kill(pids, deadline_s=0.0)
+
+    def hide(self, i: int, path: str) -> bool:
+        """An empty tmpfs over `path` in node i's mount namespace only (its Ray processes and the
+        workers they start no longer see what is there: a machine that lacks those files). False
+        when the node has no process left (killed)."""
+        own = os.readlink("/proc/self/ns/mnt")
+        for pid in sh("ip", "netns", "pids", self.namespaces[i], check=False).split():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/mnt") == own:
+                    continue
+            except OSError:
+                continue
+            sh("nsenter", "--target", pid, "--mount", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path)
+            return True
+        return False
 
     # ---- cleanup ----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -168,3 +168,39 @@ def test_scale_decode_one_two_one(cluster, local_engine):
     info = _check_rest(port)
     assert len([w for w in info["workers"] if w["role"] == "decode"]) == 1 and info["empty_slots"] == {}
     assert [_answer(port, p) for p in PROMPTS[:2]] == [w[0] for w in want[:2]]
+
+
+def test_drain_and_scale_commands(cluster, tmp_path, monkeypatch, capsys):
+    """`pdserve scale` and `pdserve drain` (pdserve_cli.cmd_scale, cmd_drain) against the same
+    cluster: the key from $PDSERVE_API_KEY or --api-key-file, the server's answer printed as JSON,
+    one-line errors with exit status 2."""
+    from pdserve_cli.main import main
+
+    url = f"http://127.0.0.1:{cluster}"
+
+    def cli(*argv) -> tuple[int, str, str]:
+        rc = main(list(argv))
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    rc, _, err = cli("drain", "prefill-0", "--url", url)  # no key
+    assert rc == 2 and err.startswith("pdserve drain: error: 401") and err.count("\n") == 1, err
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+    rc, _, err = cli("drain", "prefill-0", "--url", url)  # the last prefill worker
+    assert rc == 2 and err.startswith("pdserve drain: error: 409") and err.count("\n") == 1, err
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    rc, out, err = cli("scale", "--decode", "2", "--url", url, "--api-key-file", str(key_file))
+    assert rc == 0, err
+    added = json.loads(out)["added"]
+    assert len(added) == 1 and json.loads(out)["errors"] == [], out
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+    rc, out, err = cli("drain", added[0], "--url", url, "--timeout-s", "5")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["worker"] == added[0] and result["failed"] == 0 and result["used_blocks_at_exit"] == 0
+    rc, _, err = cli("scale", "--url", url)
+    assert rc == 2 and "give at least one" in err
+    info = _check_rest(cluster)
+    assert [w["name"] for w in info["workers"] if w["role"] == "decode"] != [added[0]]

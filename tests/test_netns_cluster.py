@@ -6,8 +6,12 @@ addresses, the decode worker's KV receiver binds on its node's address (not loop
 tokens over zmq equal the local engine's, and the migrated bytes cross the decode node's veth (its
 counters). The decode node's link is then cut for a few seconds mid-load: each request is answered
 with the local engine's tokens or fails with a clean 5xx, never wrong, and once the link is back
-the cluster answers right again (the decode worker reconnected, or was replaced). Skipped where the
-harness cannot run (not root, no `ip`).
+the cluster answers right again (the decode worker reconnected, or was replaced). Then, on one more
+`pdserve up` with two spare decode nodes added after placement: the decode node killed whole, and
+the next decode node's link cut for good; each time every answer right or a clean 5xx, the worker
+replaced on a live node, no block leaked (counts and recovery time printed). Last, a Hugging Face
+checkpoint the decode nodes lack reaches them from Ray's object store. Skipped where the harness
+cannot run (not root, no `ip`).
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ def nodes():
         yield cluster
 
 
-def _up(cluster, transport: str):
+def _up(cluster, transport: str, model: str = "tiny"):
     """`pdserve up` joined to the namespaced cluster, one worker per role; returns (process, port)."""
     cmd = [sys.executable, "-m", "pdserve_cli.main", "up", "--address", cluster.address, "--config",
-           os.path.join(ROOT, "deploy", "multinode.yaml"), "--model", "tiny", "--device", "cpu",
+           os.path.join(ROOT, "deploy", "multinode.yaml"), "--model", model, "--device", "cpu",
            "--prefill", "1", "--decode", "1", "--num-blocks", "128", "--host", "127.0.0.1", "--port", "0",
            "--transport", transport, "--weights", "f32"]  # compared with the local f32 engine
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -63,8 +67,10 @@ def _up(cluster, transport: str):
             seen += proc.stdout.readline()
             found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen)
     if found is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"pdserve up did not come up:\n{seen}")
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait(10)
+        raise AssertionError(f"pdserve up did not come up (exit {rc}):\n{seen}{proc.stdout.read()}")
     return proc, int(found.group(1))
 
 
@@ -137,3 +143,114 @@ def test_prefill_and_decode_on_their_own_nodes_and_a_cut_link(nodes, local_engin
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def _stop(proc) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def spared(nodes):
+    """One `pdserve up` over zmq with its decode worker on node 1, then two spare decode nodes
+    (added after the workers were placed, so only a replacement lands there): one per fault below,
+    which each take out the node the decode worker is on."""
+    proc, port = _up(nodes, "zmq")
+    try:
+        spares = [nodes.add_node(netns_nodes.NodeSpec({"decode_node": 1})) for _ in range(2)]
+        yield port, spares
+    finally:
+        _stop(proc)
+
+
+def _fault(nodes, port: int, want: list, inflict, what: str) -> dict:
+    """Load, `inflict(i)` on the node i of the live decode worker once requests are in flight, then:
+    every answer right or a clean 5xx (bounded); a decode worker replaced on another live node; the
+    recovery time (fault to the first right answer from the replacement); no block leaked."""
+    ips = {nodes.node_ip(i): i for i in range(len(nodes.specs))}
+    (decode,) = [w for w in cc.cluster_info(port)["workers"] if w["role"] == "decode" and w["alive"]]
+    lost = ips[decode["node_address"]]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        answers = [pool.submit(_answer, port, p) for p in PROMPTS * 2]
+        while not cc.cluster_info(port)["ledger"]["active_requests"]:
+            assert not any(a.done() for a in answers), [a.result() for a in answers if a.done()]
+            time.sleep(0.02)
+        inflict(lost)
+        start = time.monotonic()
+        got = [a.result(timeout=180)[0] for a in answers]
+    answered = time.monotonic() - start
+    counts = {"correct": sum(a == r for a, r in zip(got, want * 2)),
+              "failed_clean": sum(a in (500, 503, 504) for a in got)}
+    counts["wrong"] = len(got) - counts["correct"] - counts["failed_clean"]
+
+    deadline, last, replacement = time.monotonic() + 120, None, None  # bounded
+    while time.monotonic() < deadline:
+        last = _answer(port, PROMPTS[0])[0]
+        live = [w for w in cc.cluster_info(port)["workers"] if w["role"] == "decode" and w["alive"]]
+        replacement = next((w for w in live if w["node_address"] != nodes.node_ip(lost)), None)
+        if last == want[0] and replacement is not None:
+            break
+        time.sleep(0.25)
+    counts["recovery_s"] = round(time.monotonic() - start, 1)
+    rest = cc.wait_at_rest(port, 30)
+    live = [w for w in rest["workers"] if w["alive"]]
+    counts["leaked_blocks"] = sum(w["used_blocks"] + w.get("reserved_blocks", 0) for w in live)
+    print(f"{what}: {counts['correct']} correct, {counts['failed_clean']} failed clean, {counts['wrong']} "
+          f"wrong, of {len(got)} (all answered {answered:.1f}s after the fault); {counts['leaked_blocks']} "
+          f"leaked blocks; recovered in {counts['recovery_s']}s (decode worker on node {lost} -> "
+          f"{replacement and replacement['name']} on {replacement and replacement['node_address']})")
+    assert counts["wrong"] == 0, (got, want)
+    assert last == want[0] and replacement is not None, json.dumps(cc.cluster_info(port))[:2000]
+    assert ips[replacement["node_address"]] != lost and ips[replacement["node_address"]] != 0
+    assert rest["ledger"]["active_requests"] == 0 and counts["leaked_blocks"] == 0, rest["workers"]
+    assert cc.ledger_differences(rest) == {}
+    return counts
+
+
+def test_a_node_lost_whole(nodes, spared, local_engine):
+    """Every process in the decode node's namespace killed at once (raylet, the decode worker)."""
+    want = [r[0] for r in cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
+    _fault(nodes, spared[0], want, nodes.kill_node, "node lost (zmq)")
+
+
+def test_a_link_down_for_good(nodes, spared, local_engine):
+    """The decode node's link cut and never restored: the node is alive but unreachable (Ray's
+    health checks declare it dead; its raylet and worker run on, cut off, until the harness ends)."""
+    want = [r[0] for r in cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
+    _fault(nodes, spared[0], want, lambda i: nodes.link(i, up=False), "link down for good (zmq)")
+
+
+def test_the_model_reaches_a_node_that_lacks_it(nodes, tmp_path):
+    """A Hugging Face checkpoint that every namespaced node but the prefill node's lacks (an empty
+    tmpfs over its parent directory in their mount namespaces, so the path does not exist there; an
+    empty directory at the path itself would count as local: runtime.model_store.resolve checks
+    only that the path exists): with model_distribution auto (the default) the decode worker loads
+    the coordinator's copy from Ray's object store across the link, and its greedy tokens equal
+    the local engine's."""
+    from bench.engine import write_random_llama
+    from engine.engine import EngineConfig, LLMEngine
+
+    ckpt = write_random_llama(str(tmp_path / "llama"), seed=3, vocab=300, hidden=64, layers=2, heads=4,
+                              kv_heads=2, intermediate=128)
+    engine = LLMEngine(EngineConfig(model=ckpt))
+    want = [r[0] for r in cc.reference(engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
+    hidden = [i for i in range(1, len(nodes.specs)) if nodes.hide(i, str(tmp_path))]
+    assert hidden and os.listdir(ckpt)  # still there for this (the coordinator's) namespace
+    proc, port = _up(nodes, "zmq", model=ckpt)
+    try:
+        by_role = {w["role"]: w for w in cc.cluster_info(port)["workers"] if w["alive"]}
+        assert by_role["prefill"]["node_address"] == nodes.node_ip(0)
+        assert by_role["prefill"]["model_source"] == "local", by_role["prefill"]
+        assert by_role["decode"]["model_source"] == "object_store", by_role["decode"]
+        assert by_role["decode"]["node_address"] in map(nodes.node_ip, hidden)
+        got = [_answer(port, p)[0] for p in PROMPTS]
+        decode = by_role["decode"]
+        print("model from the object store:", decode["name"], "on", decode["node_address"], "tokens equal:",
+              got == want)
+        assert got == want
+    finally:
+        _stop(proc)
