@@ -81,7 +81,6 @@ def _build(name: str, compiler: str) -> Path:
     return target
 
 
-@functools.cache
 def require(name: str, what: str) -> ctypes.CDLL:
     """`load(name)`, or RuntimeError naming `what` when it is not available."""
     lib = load(name)
@@ -90,6 +89,7 @@ def require(name: str, what: str) -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """Library `name` of LIBRARIES with its signatures set, or None (no compiler, a failed build,
     or PDSERVE_CPU_KERNEL=0)."""
