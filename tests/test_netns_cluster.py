@@ -137,12 +137,7 @@ def test_prefill_and_decode_on_their_own_nodes_and_a_cut_link(nodes, local_engin
         live_decode = [w for w in rest["workers"] if w["role"] == "decode" and w["alive"]]
         assert live_decode and all(w["node_address"] == nodes.node_ip(1) for w in live_decode)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        _stop(proc)
 
 
 def _stop(proc) -> None:
