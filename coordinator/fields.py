@@ -12,17 +12,13 @@ import json
 
 from coordinator.edge import check_depth, check_utf8
 from coordinator.errors import InvalidRequest
-from protocol.sampling import MAX_STOP_STRINGS, MAX_TOKEN_ID
+from protocol.sampling import MAX_STOP_STRINGS, MAX_TOKEN_ID, is_int
 
 
 def show(v) -> str:
     """A value for an error message, cut short (a client may send megabytes)."""
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def is_num(v) -> bool:

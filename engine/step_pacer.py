@@ -64,9 +64,11 @@ class StepPacer:
 
     def budget(self) -> int:
         """Tokens the next step may schedule (decode rows included), within [MIN_BUDGET, max_tokens]."""
+        return self._budget(self.line())
+
+    def _budget(self, fit: tuple[float, float] | None) -> int:
         if self.target_s <= 0:
             return self.max_tokens
-        fit = self.line()
         if fit is None:
             return min(self.max_tokens, FIRST_BUDGET)
         fixed, per_token = fit
@@ -75,7 +77,7 @@ class StepPacer:
 
     def summary(self) -> dict:
         """For stats: the current budget and the fitted line (ms, us per token)."""
-        fit = self.line()
-        return {"step_budget": self.budget(),
+        fit = self.line()  # NOTE: once per snapshot (the worker loop takes one every iteration)
+        return {"step_budget": self._budget(fit),
                 "step_fixed_ms": round(fit[0] * 1e3, 3) if fit else None,
                 "step_us_per_token": round(fit[1] * 1e6, 3) if fit else None}

@@ -20,7 +20,7 @@ MAX_TOP_K = MAX_TOKEN_ID + 1  # top_k ceiling here; the HTTP edge bounds it by t
 MAX_LOGPROBS = 20          # top logprobs per token (as OpenAI)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -69,11 +69,11 @@ class SamplingParams:
         # lists (from msgpack or JSON) become tuples: the params stay hashable and immutable
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
             raise ValueError(f"max_tokens must be an integer in 1..{MAX_TOKENS}, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens, got {self.min_tokens!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, "
                              f"got {self.logprobs!r}")
         for name, lo, hi in (("temperature", 0.0, MAX_TEMPERATURE), ("top_p", 0.0, 1.0)):
@@ -82,15 +82,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
         if self.top_p == 0:
             raise ValueError("top_p must be in (0, 1], got 0")
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be -1, 0 or a positive integer <= {MAX_TOP_K}, got {self.top_k!r}")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
-        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
             raise ValueError(f"beam_width must be an integer in 1..{MAX_N}, got {self.beam_width!r}")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < MAX_SEED):
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
@@ -99,7 +99,7 @@ class SamplingParams:
         if not all(_utf8(s) for s in self.stop):
             raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
-                not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+                not is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids in "
                              f"0..{MAX_TOKEN_ID}")
         if not isinstance(self.ignore_eos, bool):
