@@ -71,7 +71,7 @@ def migrate_pair(layout, src_block: int, dst_block: int, lengths: list[int], rep
 
     from bench.pools import fill_random_sequence, make_manager
     from transfer.transport import TransportConfig
-    from transfer.zmq_sender import ZmqSender
+    from transfer.zmq_channel import ZmqSender
 
     rng = random.Random(seed)
     src = make_manager(dataclasses.replace(layout, block_size=src_block),

@@ -87,7 +87,7 @@ class _Receivers:
         if peer is not None and any(t.startswith("zmq") for t in transports):
             addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks, device=device,
                               address="tcp://127.0.0.1:0", more_addresses=[ipc_address()])["addresses"]
-            from transfer.zmq_sender import ZmqSender
+            from transfer.zmq_channel import ZmqSender
 
             for name, addr, plane in zip(("zmq-tcp", "zmq-ipc", "zmq-frames"), addrs + addrs[:1],
                                          ("stream", "stream", "zmq")):
@@ -101,7 +101,7 @@ class _Receivers:
             import ray
 
             from bench.ray_receiver import PoolReceiver
-            from transfer.ray_transport import RaySender
+            from transfer.ray_channel import RaySender
 
             self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
             for name in [t for t in transports if t.startswith("ray")]:  # pool: set per point (`use`)
@@ -112,10 +112,10 @@ class _Receivers:
     def use(self, transport: str, src) -> None:
         """Point the `ray` sender at this point's sender pool (its handshake maps the pool file)."""
         if transport == "ray":
-            self.senders[transport].pool = src.storage
+            self.senders[transport].channel.pool = src.storage
         if transport.startswith("ray"):
             self.senders[transport].connect(timeout=120)
-            assert self.senders[transport].shm == (transport == "ray"), "same-node path not taken"
+            assert self.senders[transport].channel.shm == (transport == "ray"), "same-node path not taken"
 
     def finish(self, transport: str, request_id: str) -> tuple[int | None, dict]:
         """Digest of the imported sequence on the receiver (then freed there)."""

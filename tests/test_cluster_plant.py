@@ -70,7 +70,7 @@ def _attacker(transport: str, srv: ClusterServer, local_engine, secret: str | No
     else:
         import ray
 
-        from transfer.ray_transport import RaySender
+        from transfer.ray_channel import RaySender
 
         actor = ray.get_actor(dw["name"], namespace=srv.backend.namespace)
         config = TransportConfig(peer_name="prefill-0", checksum_mode="manifest", secret=secret,

@@ -18,7 +18,7 @@ from bench.pools import fill_random_sequence, kv_digest
 from transfer import errors as E
 from transfer.faults import Faults
 from transfer.messages import DecodeState
-from transfer.ray_stream import BLOCKS, OFFER, StreamHeader, decode_header, encode_header
+from transfer.ray_wire import BLOCKS, OFFER, StreamHeader, decode_header, encode_header
 from transfer.schema import Limits
 from transfer.stream_export import StreamedExport
 from transfer.transport import TransportConfig
@@ -45,7 +45,7 @@ def actors(ray_local):
 
 
 def _sender(src, recv):
-    from transfer.ray_transport import RaySender
+    from transfer.ray_channel import RaySender
 
     tx = RaySender(src.storage.layout.fingerprint(), recv, TransportConfig(chunk_bytes=4096))
     tx.connect(timeout=60)
@@ -214,7 +214,7 @@ def test_decode_worker_admits_a_stream_only_under_its_reservation_and_an_abort_e
     from protocol.messages import Abort, Reserve
     from transfer.codec import decode, encode, seal
     from transfer.messages import HelloReply, Nack
-    from transfer.ray_stream import OK
+    from transfer.ray_wire import OK
     from transfer.transport import make_hello
 
     with in_process(DecodeWorker, {"name": "decode-rs", "transport": "ray", "engine": {"num_blocks": 32}}) \

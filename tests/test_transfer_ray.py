@@ -13,7 +13,7 @@ from kvcache.storage import KVLayout
 from transfer import errors as E
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
-from transfer.ray_transport import RaySender
+from transfer.ray_channel import RaySender
 from transfer.transport import TransportConfig
 
 ray = pytest.importorskip("ray")

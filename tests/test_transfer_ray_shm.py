@@ -17,8 +17,9 @@ from transfer import errors as E
 from transfer.codec import decode, encode, seal
 from transfer.export import ExportConfig, export_sequence
 from transfer.messages import HelloReply, Nack
+from transfer.ray_channel import RaySender
 from transfer.ray_shm import encode_offsets, pool_offsets
-from transfer.ray_transport import RayReceiverEndpoint, RaySender
+from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello
 
 ray = pytest.importorskip("ray")
@@ -44,7 +45,7 @@ def test_same_node_payload_is_read_from_the_senders_pool(ray_session):
     recv = ray.remote(num_cpus=0.25)(PoolReceiver).remote(LAYOUT, 64)
     tx = RaySender(src.storage.layout.fingerprint(), NoPayloadCalls(recv), pool=src.storage)
     tx.connect(timeout=60)
-    assert tx.shm
+    assert tx.channel.shm
     first = [5, 6, 0, 9, 10, 11, 12]  # the free queue hands these out first: three runs
     blocks = src.allocator.allocate_many(64)
     src.allocator.free_many(first + [b for b in blocks if b not in first])
@@ -68,7 +69,7 @@ def test_without_a_shared_pool_the_object_store_carries_the_payload(ray_session)
     recv = ray.remote(num_cpus=0.25)(PoolReceiver).remote(LAYOUT, 64)
     tx = RaySender(src.storage.layout.fingerprint(), recv, pool=src.storage)
     tx.connect(timeout=60)
-    assert not tx.shm
+    assert not tx.channel.shm
     fill_random_sequence(src, "a", 100, gen)
     tx.migrate(src, "a", "r", 1, timeout=60)
     assert ray.get(recv.digest.remote("r")) == kv_digest(src, "a")

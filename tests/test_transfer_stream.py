@@ -171,12 +171,12 @@ def test_ipc_and_tcp_carry_the_same_bytes_on_either_data_plane(gen, plane, inlin
             address=served.rx.address, chunk_bytes=8192, data_plane=plane, inline_bytes=inline))
         try:
             tx.connect()
-            assert (tx.stream is not None) == (plane == "stream")
+            assert (tx.channel.stream is not None) == (plane == "stream")
             for i in range(3):
                 tx.migrate(src, "a", f"r{i}", 1, dedupe=False)
                 assert torch.equal(served.kv[served.next().seq_id], kv_bytes(src, "a"))
             if plane == "stream":  # the data stream opens only for a payload that takes it
-                assert (tx.stream.sock is None) == bool(inline)
+                assert (tx.channel.stream.sock is None) == bool(inline)
         finally:
             tx.close()
             served.stop()

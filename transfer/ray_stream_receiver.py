@@ -31,7 +31,7 @@ from transfer.errors import (
 )
 from transfer.importer import ImportResult, ImportSession
 from transfer.messages import Ack, Final, Manifest, Nack
-from transfer.ray_stream import BLOCKS, CANCEL, FINAL, OFFER, OK, StreamHeader, decode_header, encode_header
+from transfer.ray_wire import BLOCKS, CANCEL, FINAL, OFFER, OK, StreamHeader, decode_header, encode_header
 
 CALLS = (OFFER, BLOCKS, FINAL, CANCEL)
 

@@ -77,7 +77,7 @@ def validate(name: str) -> str:
 
 # ---- factories: each imports its transport when called -------------------------------------------------
 def _zmq_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
-    from transfer.zmq_sender import ZmqSender
+    from transfer.zmq_channel import ZmqSender
 
     return ZmqSender(fingerprint, config, faults=faults)
 
@@ -105,7 +105,7 @@ def _zmq_receiver(manager, config, *, admission, port_min: int = 0, port_max: in
 def _ray_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
     import ray
 
-    from transfer.ray_transport import RaySender
+    from transfer.ray_channel import RaySender
 
     actor = ray.get_actor(receiver, namespace=namespace)
     return RaySender(fingerprint, actor, config, faults=faults, pool=pool)

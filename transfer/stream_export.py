@@ -61,14 +61,3 @@ class StreamedExport:
             for c in range(0, bb, cb):
                 piece = view[c:c + cb]
                 yield (k, c // cb, None, checksum(piece)), piece
-
-
-def offer_for(sender, manager, request_id: str, epoch: int, token_ids: list[int], sampling: dict,
-              extra_key: str | None = None, timeout: float | None = None) -> StreamedExport:
-    """A sender's streamed export of this sequence: its dedupe answer asked first (both
-    transports' `migrate_streamed` start here)."""
-    plan = sender.plan or sender.connect(timeout)
-    reuse = sender.query(request_id, token_ids, extra_key, timeout)
-    return StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
-                          reuse_block_size=plan.dst_block_size if reuse else 0,
-                          chunk_bytes=sender.config.chunk_bytes, limits=sender.config.limits)

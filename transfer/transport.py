@@ -105,7 +105,6 @@ class TransportConfig:
 def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", pool_path: str = ""):
     """This sender's handshake, signed when the config carries the cluster secret."""
     import dataclasses
-    import time
 
     from protocol.curve import hmac_sign, new_nonce
     from transfer.messages import Hello
@@ -194,55 +193,3 @@ RECEIVER_PHASES = ("prepare_ms", "land_ms", "verify_ms", "commit_ms")
 def payload_estimate(manager, num_tokens: int) -> int:
     """Payload bytes of a sequence of `num_tokens` computed tokens with nothing reused."""
     return -(-num_tokens // manager.block_size) * manager.storage.layout.block_bytes
-
-
-def migrate(sender, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
-            leases=None, timeout: float | None = None, checksum_mode: str = "inline", lease: bool = True):
-    """Shared body of `Sender.migrate`: dedupe query (when asked, and the payload is above
-    `inline_bytes`: a small one goes in one round trip), export (re-blocked here into the
-    receiver's block size when it differs), send. The phases of
-    the last successful migration (query, export, wire and the receiver's RECEIVER_PHASES, in ms)
-    are left in `sender.last_phases`.
-
-    Resends once in full after a DedupeMiss (a held block was evicted meanwhile) and once after
-    HandshakeRequired (the receiver restarted). Exports are added to `leases` (a LeaseTable)
-    when given, so an unacknowledged one is released when its lease expires; with lease=False the
-    caller keeps the blocks allocated until this returns (see ExportConfig.lease).
-    """
-    from transfer.errors import DedupeMiss, HandshakeRequired
-    from transfer.export import ExportConfig, export_sequence
-
-    t0 = time.perf_counter()
-    plan = sender.plan or sender.connect()
-    reuse: list[int] = []
-    c = sender.config
-    t = manager.table(seq_id)
-    if dedupe and payload_estimate(manager, t.num_computed) > c.inline_bytes:
-        reuse = sender.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
-    cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=checksum_mode, lease_s=c.lease_s, lease=lease)
-    phases = sender.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
-    for attempt in range(2):
-        t1 = time.perf_counter()
-        ex = export_sequence(manager, seq_id, request_id, epoch, state, reuse=reuse,
-                             reuse_block_size=plan.dst_block_size if reuse else 0, config=cfg,
-                             limits=c.limits, frame_block_size=plan.dst_block_size if plan.reblock else 0)
-        if leases is not None:
-            leases.add(ex)
-        t2 = time.perf_counter()
-        try:
-            ack = sender.send(ex, timeout)
-        except DedupeMiss:
-            if attempt or not reuse:
-                raise
-            reuse = []
-            continue
-        except HandshakeRequired:
-            if attempt:
-                raise
-            plan = sender.connect()
-            continue
-        t3 = time.perf_counter()
-        phases.update(export_ms=(t2 - t1) * 1e3, wire_ms=(t3 - t2) * 1e3)
-        phases.update({k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES})
-        return ack
-    raise AssertionError("unreachable")

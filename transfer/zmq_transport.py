@@ -3,7 +3,7 @@ decode side, both following the contract in `transfer.transport`; wire format in
 `transfer.zmq_wire`.
 """
 
+from transfer.zmq_channel import ZmqSender
 from transfer.zmq_receiver import ZmqReceiver
-from transfer.zmq_sender import ZmqSender
 
 __all__ = ["ZmqReceiver", "ZmqSender"]

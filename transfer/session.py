@@ -1,0 +1,235 @@
+"""The sending half of the KV migration protocol, written once for every channel.
+
+A `SenderSession` is one prefill worker's connection to one decode worker. It does the protocol:
+the signed hello and the compatibility plan (`connect`), the dedupe question (`query`), and the
+transfer itself, where a whole migration (`send`, `migrate`: the payload of a finished prefill)
+and a streamed one (`migrate_streamed`: blocks leave while the prompt is still being computed)
+are the same loop over a feed of payload pieces: a whole migration is a feed of one item. The
+chaos benchmark's faults (`transfer.faults`) are applied here, to the manifest bodies and the
+payload pieces, so every channel suffers them alike. What differs between transports is only
+how bytes move, and that is the channel's (`transfer.channel.SenderChannel`: ZeroMQ in
+`zmq_channel`, Ray in `ray_channel`). Every error the channel raises is counted here once; a
+receiver's nack comes back as its typed error (`codec.decode_reply`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from transfer.blocks import prefix_hashes_at
+from transfer.checksum import checksum
+from transfer.codec import decode_reply, encode, seal
+from transfer.errors import DedupeMiss, HandshakeRequired, MalformedMessage, TransferError, TransportClosed
+from transfer.messages import Ack, Final, Held, HelloReply, Query
+from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.reblock import CompatPlan, check_compatible
+from transfer.stream_export import StreamedExport
+from transfer.transport import RECEIVER_PHASES, TransportConfig, check_reply, make_hello, payload_estimate
+
+
+class SenderSession:
+    """One connection from a prefill worker (layout `fingerprint`) through `channel`."""
+
+    def __init__(self, fingerprint: dict, config: TransportConfig, channel, *,
+                 metrics: TransferMetrics | None = None, faults=None):
+        self.fingerprint, self.config, self.channel = dict(fingerprint), config, channel
+        self.metrics = metrics or DEFAULT_METRICS
+        self.faults = faults  # transfer.faults.Faults (chaos benchmark), or None
+        self.plan: CompatPlan | None = None
+        self.last_phases: dict[str, float] = {}  # of the last migration
+        self.token = 0  # transfers on this connection so far
+
+    def _channel(self, op, *args, **kwargs):
+        """A channel operation; its TransferError (a timeout, a broken link) counted once."""
+        try:
+            return op(*args, **kwargs)
+        except TransferError as e:
+            if not self.channel.connected:  # the channel reset its connection: handshake again
+                self.plan = None
+            self.metrics.record_error(e)
+            raise
+
+    def _reply(self, data, cls):
+        return decode_reply(data, cls, self.config.limits, self.metrics)
+
+    # ---- before any transfer ----------------------------------------------------------------------
+    def connect(self, timeout: float | None = None) -> CompatPlan:
+        """Handshake: layouts compared once per connection; FingerprintMismatch if incompatible."""
+        deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
+        self.plan = None
+        hello = make_hello(self.fingerprint, self.config, **self.channel.hello_fields())
+        reply = self._reply(self._channel(self.channel.request, "hello", encode(hello), deadline), HelloReply)
+        try:
+            check_reply(reply, hello, self.config)  # signed for this hello, by the receiver we meant
+            plan = check_compatible(self.fingerprint, reply.fingerprint)
+        except TransferError as e:
+            self.metrics.record_error(e)
+            raise
+        self._channel(self.channel.accepted, reply)
+        self.plan = plan
+        return plan
+
+    def query(self, request_id: str, token_ids, extra_key: str | None = None,
+              timeout: float | None = None) -> list[int]:
+        """Receiver logical blocks (its block size) of this prefix that it already holds."""
+        plan = self.plan or self.connect(timeout)
+        hashes = prefix_hashes_at(token_ids, plan.dst_block_size, extra_key)
+        if not hashes:
+            return []
+        deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
+        body = encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))
+        held = self._reply(self._channel(self.channel.request, "query", body, deadline), Held).held
+        if any(not 0 <= i < len(hashes) for i in held):
+            err = MalformedMessage("dedupe reply names blocks outside the query")
+            self.metrics.record_error(err)
+            raise err
+        return sorted(set(held))
+
+    # ---- transfers --------------------------------------------------------------------------------
+    def _transfer(self, manifest, feed, pieces, limit: float, *, final_of=None, frames=None,
+                  on_verdict=None) -> tuple[Ack, float]:
+        """The one transfer loop. feed: lists of payload units, the last given as (units,
+        DecodeState); a whole migration is one such item. pieces(units) -> ((frame, chunk, slot,
+        xxh3), view) payload pieces. final_of(state): the body of the message that closes a
+        streamed transfer (None: whole; the manifest carries the state). frames: the export's
+        host frames, for a channel that sends them whole. on_verdict: called once the receiver
+        answered (before its answer is decoded). Returns the ack and when the feed ended."""
+        self.token += 1
+        fault = self.faults.take() if self.faults is not None else None
+        bodies = [seal(encode(manifest))]
+        if fault is not None:
+            bodies, frames = self.faults.manifest(fault, bodies[0]), None
+        streamed = final_of is not None
+        deadline = time.monotonic() + limit
+        xfer = self._channel(self.channel.open, self.token, manifest, bodies, frames, streamed=streamed,
+                             deadline=float("inf") if streamed else deadline)
+        ok, final = True, None
+        try:
+            for item in feed:
+                last = isinstance(item, tuple)  # (the last units, the final state): the prefill is done
+                units = item[0] if last else item
+                batch = pieces(units)
+                if fault is not None and units:  # a data fault hits the first batch
+                    batch, fault = self.faults.chunks(fault, batch), None
+                if not self._channel(xfer.send, batch):
+                    ok = False  # refused early, or the link broke: the verdict follows
+                    break
+                if last:
+                    final = (item[1],)
+                    break
+            t1 = time.perf_counter()
+            if ok and final is None:
+                raise TransportClosed("streamed migration cancelled before its final state")
+            if ok:
+                self._channel(xfer.end, final_of(final[0]) if streamed else None)
+            data = self._channel(xfer.verdict, time.monotonic() + limit if streamed else deadline)
+            if on_verdict is not None:
+                on_verdict()
+            ack = self._reply(data, Ack)
+        except BaseException:  # a nack, a timeout, the feed's own error: the receiver aborts
+            xfer.cancel()
+            raise
+        self.metrics.add("transfers")
+        self.metrics.add("bytes_sent", ack.nbytes)
+        return ack, t1
+
+    def send(self, exported, timeout: float | None = None) -> Ack:
+        """Send one export (manifest + payload) and wait for its ack; the export's lease is released
+        on the receiver's answer (ack or nack), kept on a timeout (the receiver may have committed)."""
+        self.plan or self.connect()
+        inline = exported.manifest.checksum_mode == "inline"
+
+        def pieces(_):
+            for f, c, view, slot in exported.chunks():
+                yield (f, c, slot, checksum(view) if inline else 0), view
+
+        return self._transfer(exported.manifest, [(exported, None)], pieces,
+                              timeout or self.config.transfer_timeout_s, frames=exported.frames,
+                              on_verdict=exported.release)[0]
+
+    def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
+                leases=None, timeout: float | None = None, lease: bool = True) -> Ack:
+        """Dedupe query (when asked and the payload is above `inline_bytes`: a small one goes in one
+        round trip), export (re-blocked here into the receiver's block size when it differs), send.
+        The phases (query, export, wire and the receiver's RECEIVER_PHASES, in ms) are left in
+        `last_phases`. Resends once in full after a DedupeMiss (a held block was evicted meanwhile)
+        and once after HandshakeRequired (the receiver restarted). Exports are added to `leases`
+        (a LeaseTable) when given; with lease=False the caller keeps the blocks allocated until
+        this returns (see ExportConfig.lease)."""
+        from transfer.export import ExportConfig, export_sequence
+
+        t0 = time.perf_counter()
+        plan = self.plan or self.connect()
+        reuse: list[int] = []
+        c = self.config
+        t = manager.table(seq_id)
+        if dedupe and payload_estimate(manager, t.num_computed) > c.inline_bytes:
+            reuse = self.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
+        cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=c.checksum_mode, lease_s=c.lease_s,
+                           lease=lease)
+        phases = self.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
+        for attempt in range(2):
+            t1 = time.perf_counter()
+            ex = export_sequence(manager, seq_id, request_id, epoch, state, reuse=reuse,
+                                 reuse_block_size=plan.dst_block_size if reuse else 0, config=cfg,
+                                 limits=c.limits, frame_block_size=plan.dst_block_size if plan.reblock else 0)
+            if leases is not None:
+                leases.add(ex)
+            t2 = time.perf_counter()
+            try:
+                ack = self.send(ex, timeout)
+            except DedupeMiss:
+                if attempt or not reuse:
+                    raise
+                reuse = []
+                continue
+            except HandshakeRequired:
+                if attempt:
+                    raise
+                plan = self.connect()
+                continue
+            phases.update(export_ms=(t2 - t1) * 1e3, wire_ms=(time.perf_counter() - t2) * 1e3)
+            phases.update({k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES})
+            return ack
+        raise AssertionError("unreachable")
+
+    def migrate_streamed(self, manager, request_id: str, epoch: int, token_ids: list[int], sampling: dict,
+                         feed, extra_key: str | None = None, timeout: float | None = None) -> Ack:
+        """A streamed migration (transfer.stream_export): offer the sequence now, send its blocks as
+        `feed` yields them (lists of (logical, physical) blocks whose K/V is complete), and close
+        with the (last blocks, DecodeState) pair it yields last; a feed that ends without one
+        cancels the transfer. last_phases: streamed_ms (offer to final), exposed_ms (final to ack),
+        overlap_pct (payload sent before the prefill finished) and the receiver's phases. Raises
+        the receiver's typed error."""
+        plan = self.plan or self.connect(timeout)
+        t0 = time.perf_counter()
+        reuse = self.query(request_id, token_ids, extra_key, timeout)
+        sx = StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
+                            reuse_block_size=plan.dst_block_size if reuse else 0,
+                            chunk_bytes=self.config.chunk_bytes, limits=self.config.limits)
+        m, sent = sx.manifest, [0]
+
+        def pieces(blocks):
+            sent[0] += sx.nbytes(blocks)
+            return sx.chunks(blocks)
+
+        def final_of(state):
+            return seal(encode(Final(m.request_id, m.epoch, state)))
+
+        def fed():  # counts the bytes sent before the final item
+            for item in feed:
+                if isinstance(item, tuple):
+                    early_bytes[0] = sent[0]
+                yield item
+
+        early_bytes = [0]
+        limit = timeout or self.config.transfer_timeout_s
+        ack, t1 = self._transfer(m, fed(), pieces, limit, final_of=final_of)
+        self.last_phases = {"streamed_ms": (t1 - t0) * 1e3, "exposed_ms": (time.perf_counter() - t1) * 1e3,
+                            "overlap_pct": 100.0 * early_bytes[0] / max(1, m.payload_bytes),
+                            **{k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES}}
+        return ack
+
+    def close(self) -> None:
+        self.plan = None
+        self.channel.close()

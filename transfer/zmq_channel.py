@@ -1,0 +1,181 @@
+"""The ZeroMQ channel, sending side: how a `transfer.session.SenderSession` reaches a `ZmqReceiver`.
+
+A DEALER socket connected to the receiver carries the control messages (wire format:
+`transfer.zmq_wire`); payloads go on the raw data stream the receiver offers in its hello reply
+(`stream_sender.DataStream`, opened with the signed token), or as ZeroMQ messages behind the
+manifest when the payload is at most `inline_bytes` or the data plane is "zmq". Chunks are sent
+zero-copy from pool memory or a staging slot; between chunks the channel checks whether the
+receiver already answered (it gave up early), and stops. Every wait is a bounded poll; a timeout
+resets the connection (the receiver may or may not have committed: the session keeps the lease).
+`ZmqSender(fingerprint, config)` is a session over this channel.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
+from transfer.session import SenderSession
+from transfer.stream_sender import DataStream
+from transfer.stream_wire import parse_address
+from transfer.transport import TransportConfig
+from transfer.zmq_wire import DATA, TOKEN
+
+_REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q")}  # control request -> (header, reply header)
+
+
+def ZmqSender(fingerprint: dict, config: TransportConfig | None = None, *, metrics=None, faults=None):
+    """A sender session over a ZeroMQ channel to the receiver at config.address."""
+    config = config or TransportConfig()
+    return SenderSession(fingerprint, config, ZmqChannel(config, metrics), metrics=metrics, faults=faults)
+
+
+class ZmqChannel:
+    def __init__(self, config: TransportConfig, metrics=None):
+        from transfer.metrics import DEFAULT_METRICS
+
+        self.config, self.metrics = config, metrics or DEFAULT_METRICS
+        self.ctx = zmq.Context(io_threads=config.io_threads)
+        self.sock = None
+        self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
+        self.scheme, self.where = parse_address(config.address)
+        self.connected = False  # a handshake answered on this socket (a reset forgets it)
+        self._open()
+
+    def _open(self) -> None:
+        s = self.sock = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)  # chunks are zero-copy references: queueing them costs no memory
+        s.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)  # replies are small
+        if self.config.socket_buffer_bytes:
+            s.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
+            s.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
+        s.connect(self.config.address)
+
+    def reset(self) -> None:
+        """A fresh socket (the receiver forgets this connection's handshake) and no data stream."""
+        self.connected = False
+        self.sock.close(0)
+        self.close_stream()
+        self._open()
+
+    def close_stream(self) -> None:
+        """Close the data stream's socket; the next transfer opens a fresh one (same token)."""
+        if self.stream is not None:
+            self.stream.close()
+
+    def close(self) -> None:
+        self.close_stream()
+        self.sock.close(0)
+        self.ctx.term()
+
+    # ---- waiting ------------------------------------------------------------------------------------
+    def reply(self, headers: tuple[bytes, ...]):
+        """One queued reply if it is one of `headers` (or a garbled-message nack), else None."""
+        parts = self.sock.recv_multipart()
+        if len(parts) == 2 and (parts[0] in headers or parts[0] == b"N"):
+            return parts
+        self.metrics.add("stray_replies")
+        return None
+
+    def wait(self, headers: tuple[bytes, ...], deadline: float, what: str) -> bytes:
+        """The body of the next reply under one of `headers`; TransferTimeout (and a reset) at deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                self.reset()
+                raise TransferTimeout(f"no {what} from {self.config.address} within the timeout")
+            got = self.reply(headers)
+            if got is not None:
+                return got[1]
+
+    # ---- transfer.channel.SenderChannel ---------------------------------------------------------------
+    def hello_fields(self) -> dict:
+        return {"stream": self.scheme if self.config.data_plane == "stream" else ""}
+
+    def request(self, kind: str, body: bytes, deadline: float) -> bytes:
+        header, answer = _REQUESTS[kind]
+        self.sock.send_multipart([header, body])
+        return self.wait((answer,), deadline, f"{kind} reply")
+
+    def accepted(self, reply) -> None:
+        """The receiver's hello reply: a data stream when it offered one."""
+        self.connected = True
+        self.close_stream()
+        self.stream = None
+        if reply.data_token and (reply.data_port or reply.data_path) and self.hello_fields()["stream"]:
+            at = ("tcp", self.where, reply.data_port) if self.scheme == "tcp" else ("ipc", reply.data_path)
+            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
+
+    def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
+             deadline: float = float("inf")) -> _Transfer:
+        if streamed and self.stream is None:
+            raise HandshakeRequired("a streamed migration needs the receiver's data stream")
+        return _Transfer(self, token, manifest, bodies, streamed, deadline)
+
+
+class _Transfer:
+    """One transfer. Whole: "M" with "D" chunks and an "E" on the control socket, or "S" with the
+    payload on the data stream (above `inline_bytes`). Streamed (its final state follows): "O", the
+    chunks on the data stream as they come, the stream's end, then "F" with the state."""
+
+    def __init__(self, ch: ZmqChannel, token: int, manifest, bodies: list[bytes], streamed: bool,
+                 deadline: float):
+        self.ch, self.token, self.deadline, self.early = ch, token, deadline, None
+        self.ack_header = TOKEN.pack(b"A", token)
+        big = manifest.payload_bytes > ch.config.inline_bytes
+        self.on_stream = streamed or (ch.stream is not None and big)
+        kind = b"O" if streamed else b"S" if self.on_stream else b"M"
+        try:
+            if self.on_stream:
+                ch.stream.open()  # TransportClosed when it will not open
+            for body in bodies:
+                ch.sock.send_multipart([TOKEN.pack(kind, token), body])
+        except TransferError:
+            ch.reset()
+            raise
+        self.live = ch.stream.begin(token, manifest.payload_bytes) if self.on_stream else True
+
+    def answered(self) -> bool:
+        """An early verdict (the receiver gave up) is waiting, or the deadline passed: stop sending."""
+        if self.early is None and self.ch.sock.poll(0):
+            self.early = self.ch.reply((self.ack_header,))
+        return self.early is not None or time.monotonic() > self.deadline
+
+    def send(self, items) -> bool:
+        """Payload pieces ((frame, chunk, slot, xxh3), view); False once the transfer stopped."""
+        if self.live:
+            self.live = (self.ch.stream.send_chunks(items, self.answered) if self.on_stream
+                         else self._send_control(items))
+        return self.live
+
+    def _send_control(self, items) -> bool:
+        sock = self.ch.sock
+        for (f, c, slot, cs), view in items:
+            tracker = sock.send_multipart([DATA.pack(b"D", self.token, f, c, cs), view], copy=False,
+                                          track=slot is not None)
+            if slot is not None:
+                slot.tracker = tracker
+            if self.answered():
+                return False
+        return True
+
+    def end(self, final_body: bytes | None) -> None:
+        ch = self.ch
+        if not self.on_stream:
+            ch.sock.send_multipart([TOKEN.pack(b"E", self.token), b""])
+        elif ch.stream.end() and final_body is not None:
+            ch.sock.send_multipart([TOKEN.pack(b"F", self.token), final_body])
+
+    def verdict(self, deadline: float) -> bytes:
+        if self.early is not None:
+            return self.early[1]
+        return self.ch.wait((self.ack_header,), deadline, "ack")
+
+    def cancel(self) -> None:
+        """The transfer failed: closing the data stream makes the receiver abort a streamed import
+        (the next transfer opens a fresh stream)."""
+        if self.on_stream:
+            self.ch.close_stream()
