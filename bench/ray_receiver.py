@@ -1,7 +1,7 @@
 """A Ray actor body that receives KV migrations into its own synthetic pool, for the migration
 benchmark and the Ray transport tests: `ray.remote(PoolReceiver).remote(layout_args,
-num_blocks)`. It is the runtime's `RayReceiverEndpoint` (so it answers `kv_hello`, `kv_query`,
-`kv_receive` and `kv_receive_shm` exactly as a decode worker does) over a pool from
+num_blocks)`. It is the runtime's `RayReceiverEndpoint` (so its channel calls, `kv(call, conn,
+*args)`, are answered exactly as a decode worker answers them) over a pool from
 `bench.pools`, plus a few calls the benchmark and tests need: the canonical digest of an
 imported sequence, freeing it (scrubbed, so a later transfer must rewrite the blocks, and
 uncached), warming the object store's mappings, and pool statistics.
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from bench.pools import kv_digest, make_manager, scrub_blocks
 from kvcache.storage import KVLayout
-from transfer.codec import decode
-from transfer.messages import Ack
 from transfer.metrics import TransferMetrics
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig
@@ -37,18 +35,12 @@ class PoolReceiver(RayReceiverEndpoint):
         super().__init__(manager, config, metrics=TransferMetrics())
         self.last_timings: dict = {}
 
-    def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
-        """The endpoint's import; also keeps the timings of the last acknowledged transfer."""
-        return self._keep_timings(super().kv_receive(conn, manifest, *frames))
-
-    def kv_receive_shm(self, conn: str, manifest: bytes, offsets: bytes) -> bytes:
-        return self._keep_timings(super().kv_receive_shm(conn, manifest, offsets))
-
-    def _keep_timings(self, reply: bytes) -> bytes:
-        msg = decode(reply, self.config.limits)
-        if isinstance(msg, Ack):
-            self.last_timings = dict(msg.timings)
-        return reply
+    def handle(self, call: str, conn: str, args: tuple):
+        """The endpoint's call; also keeps the timings of the last committed import."""
+        reply, result = super().handle(call, conn, args)
+        if result is not None:
+            self.last_timings = dict(result.timings)
+        return reply, result
 
     def digest(self, seq_id) -> int:
         return kv_digest(self.manager, seq_id)

@@ -1,15 +1,15 @@
 """The decode role on the worker runtime: receive KV, join it to the batch, stream tokens.
 
-The receiver comes from the transport's entry in `transfer.registry`. The loop waits on it (a
-polled transport: ZeroMQ) or on its command queue (the Ray transport, whose actor calls arrive
-as the commands of decode_worker.ray_commands; the receiver's `poll` then only expires idle
-streams each iteration). An `Abort` ends the request's transfers still landing. Both hand a committed
-import to `_imported` the same way: it joins the continuous batch with `add_imported` only when
+The receiver comes from the transport's entry in `transfer.registry`, and every channel takes
+one path: the loop waits in the receiver's `poll` (a queued command wakes it: `wake`), which
+serves the channel's messages (ZeroMQ sockets, or Ray calls delivered by the actor's `kv`
+method) and returns each committed import. An `Abort` ends the request's transfers still
+landing. A committed import goes to `_imported`: it joins the continuous batch with `add_imported` only when
 its epoch is the one the coordinator reserved for that request; a stale or aborted import is
 freed at once, uncached. Each migrated sequence travels under the transfer id
 "<request id>/<choice index>" and runs as its own engine request with that id (its seed, index
 and output count keep sampling identical to a colocated run). The prefill worker ships an n > 1
-request's sequences one after another, so after importing one of them the ZeroMQ loop waits (up
+request's sequences one after another, so after importing one of them the loop waits (up
 to `sibling_wait_s`) for the rest before it steps: a step started in between would hold the next
 sequence's transfer for a whole step. Credits and admission: decode_worker.credits. A `Submit`
 addressed to no decode worker is a request this worker prefills itself (decode_worker.local).
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from decode_worker.credits import Credits
 from decode_worker.local import LocalPrefill
-from decode_worker.ray_commands import KvHello, KvQuery, KvReceive, KvStream
 from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Submit, Tokens
 from protocol.sampling import SamplingParams
 from runtime.actor import QUEUE, WorkerConfig
@@ -35,7 +34,6 @@ from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)
 MAX_EXPECTED = 100_000  # bound on remembered request registrations (aborts normally remove them)
-COMMAND_POLL_S = 0.002  # ZeroMQ: the longest a queued command (a local prefill's Submit) waits for the loop
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class DecodeWorkerConfig(WorkerConfig):
     reserve_ttl_s: float = 60.0  # a reservation whose imports have not all arrived by then is released
     kv_port_min: int = 0         # the ZeroMQ receiver's port range (0: any free port)
     kv_port_max: int = 0
-    # ZeroMQ: after one sequence of an n > 1 request lands, how long the loop may wait for the others
+    # after one sequence of an n > 1 request lands, how long the loop may wait for the others
     # before its next step (each is shipped once the one before it is acknowledged)
     sibling_wait_s: float = 0.05
 
@@ -107,14 +105,14 @@ class DecodeHandler:
         return Reply(error=f"a decode worker does not take {type(cmd).__name__}")
 
     # ---- the loop thread --------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Any thread: a command was queued, so the loop's wait in the receiver's poll ends now."""
+        self.receiver.wake()
+
     def wait(self, loop, timeout: float, events: list) -> None:
-        if not self.transport.capabilities.polled:  # imports arrive as commands (`handle`)
-            loop.drain(events, timeout)
-            self.receiver.poll(0)  # housekeeping: a stream gone idle (its prefill died) returns its blocks
-            return
         loop.drain(events)
         try:
-            result = self._poll(loop, timeout, events)
+            result = self.receiver.poll(timeout)  # ends early for a queued command (`wake`)
             partial: set[str] = set()  # requests with sequences still on their way
             deadline = time.monotonic() + self.config.sibling_wait_s
             while result is not None:
@@ -133,39 +131,12 @@ class DecodeHandler:
                         self.config.name, e, usage["free_blocks"], usage["cached_blocks"],
                         self.engine.kv.held_back(), self.credits.reservations())
 
-    def _poll(self, loop, timeout: float, events: list):
-        """The receiver's poll in slices, taking queued commands between them: the command queue cannot
-        wake the receiver, and a Submit to prefill here must not wait out an idle poll."""
-        end = time.monotonic() + timeout
-        while True:
-            result = self.receiver.poll(min(COMMAND_POLL_S, max(0.0, end - time.monotonic())))
-            if result is not None or time.monotonic() >= end:
-                return result
-            loop.drain(events)
-            if self.engine.has_work():  # e.g. a local prefill joined: step now
-                return None
-
     def handle(self, cmd, events: list):
         if isinstance(cmd, Abort):
             self._abort(cmd.request_id)
             self.local.abort(cmd.request_id)
         elif isinstance(cmd, Submit):
             self.local.submit(cmd, events)
-        elif isinstance(cmd, KvHello):
-            return self.receiver.kv_hello(cmd.connection, cmd.data)
-        elif isinstance(cmd, KvQuery):
-            return self.receiver.kv_query(cmd.connection, cmd.data)
-        elif isinstance(cmd, KvReceive):
-            reply, result = self.receiver.receive(cmd.connection, cmd.manifest, cmd.frames, cmd.offsets)
-            if result is not None:
-                self._imported(result, events)
-            return reply
-        elif isinstance(cmd, KvStream):
-            reply, result = self.receiver.stream_call(cmd.call, cmd.connection, cmd.header, cmd.body,
-                                                      cmd.frames)
-            if result is not None:
-                self._imported(result, events)
-            return reply
         return None
 
     def _abort(self, rid: str) -> None:

@@ -13,6 +13,7 @@ A role handler is a small object with:
   engine                               the LLMEngine the loop steps
   handle(command, events) -> reply     a queued command, on the loop thread (isinstance dispatch)
   wait(loop, timeout, events)          optional: wait for work up to `timeout` (default: commands)
+  wake()                               optional, any thread: end a `wait` now (a command was queued)
   on_step(outputs, events)             the engine's outputs of one step
   after_step(events)                   optional: per-iteration work (migrations, expiries)
   stats() -> dict                      role-specific counters, merged into the snapshot
@@ -59,6 +60,7 @@ class WorkerLoop:
     def __init__(self, config: LoopConfig, handler, emit):
         self.config, self.handler, self.emit = config, handler, emit
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = getattr(handler, "wake", None)  # ends the handler's `wait` (any thread)
         self._stop = threading.Event()
         self.failed: str | None = None
         self._last_emit = 0.0
@@ -70,20 +72,25 @@ class WorkerLoop:
     # ---- any thread -----------------------------------------------------------------------------
     def send(self, command) -> None:
         """Queue a command for the loop; no reply."""
-        self._commands.put(command)
+        self._put(command)
 
     def call(self, command):
         """Queue a command and wait (bounded) for the handler's reply; its exception is raised here."""
         call = _Call(command)
-        self._commands.put(call)
+        self._put(call)
         return call.future.result(timeout=self.config.call_timeout_s)
+
+    def _put(self, item) -> None:
+        self._commands.put(item)
+        if self._wake is not None:  # the loop may be waiting in the handler's `wait`: end it now
+            self._wake()
 
     def stats(self) -> dict:
         """The last snapshot (taken on the loop thread after every iteration)."""
         return dict(self._stats)
 
     def hang(self) -> None:
-        self._commands.put(_Hang())
+        self._put(_Hang())
 
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failed is None

@@ -128,7 +128,7 @@ def test_a_broken_ray_stream_is_refused_whole(actors, gen, monkeypatch, case):
     before_src, (before_dst, _) = snapshot(src), _pool_state(recv)
     final = DecodeState(tokens + [5], {"max_tokens": 4}, 1)
     if case == "cut after the first chunk":
-        want, code = E.TransportClosed, "closed"  # the sender's kv_cancel aborts the receiver's stream
+        want, code = E.TransportClosed, "closed"  # the sender's cancel call aborts the receiver's stream
         feed = _feed(t, 13, final, stop_after=4)
     elif case == "second chunk corrupted":
         want, code, feed = E.ChecksumError, "checksum", _feed(t, 13, final)
@@ -226,14 +226,14 @@ def test_decode_worker_admits_a_stream_only_under_its_reservation_and_an_abort_e
         tokens = list(range(1, 41))
         fill_random_sequence(src, "a", 40, torch.Generator().manual_seed(2), tokens)
         hello = encode(make_hello(layout.fingerprint(), TransportConfig(peer_name="prefill-0")))
-        assert isinstance(decode(w.kv_hello("c", hello)), HelloReply)
+        assert isinstance(decode(w.kv("hello", "c", hello)), HelloReply)
         offer = seal(encode(StreamedExport(src, "r/0", 3, tokens, {"max_tokens": 4}).manifest))
         used = w.engine.kv.usage()["used_blocks"]
-        refused = decode(w.kv_offer("c", encode_header(StreamHeader(OFFER, 1)), offer))
+        refused = decode(w.kv("offer", "c", encode_header(StreamHeader(OFFER, 1)), offer))
         assert isinstance(refused, Nack) and refused.code == "refused"
         assert w.engine.kv.usage()["used_blocks"] == used
         assert decode_command(w.command(encode_command(Reserve("r", 3, 41, 1, "prefill-0")))).granted
-        reply = decode_header(w.kv_offer("c", encode_header(StreamHeader(OFFER, 2)), offer), Limits())
+        reply = decode_header(w.kv("offer", "c", encode_header(StreamHeader(OFFER, 2)), offer), Limits())
         assert reply.kind == OK
         assert w.engine.kv.usage()["used_blocks"] == used + 3  # 40 tokens in blocks of 16
         assert w.loop.call(Abort("none")) is None  # a no-op, answered on the loop thread after the offer
@@ -244,5 +244,5 @@ def test_decode_worker_admits_a_stream_only_under_its_reservation_and_an_abort_e
             time.sleep(0.02)
         assert w.engine.kv.usage()["used_blocks"] == used and w.handler.receiver.in_flight() == {}
         header = StreamHeader(BLOCKS, 2, 0, (0,), (0,), (0,))
-        late = decode(w.kv_blocks("c", encode_header(header), bytes(layout.block_bytes)))
+        late = decode(w.kv("blocks", "c", encode_header(header), bytes(layout.block_bytes)))
         assert isinstance(late, Nack) and late.code == "closed"

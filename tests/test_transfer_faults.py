@@ -55,7 +55,8 @@ def test_each_injected_fault_is_caught_or_harmless(gen, kind):
         assert faults.injected[kind] == 1 and faults.take() is None
         tx.migrate(src, "a", "r2", 1, dedupe=False)  # the connection still works, intact
         assert served.next().request_id == "r2"
-        assert tx.channel.stream is not None and tx.channel.stream.sock is not None  # still on the data stream
+        stream = tx.channel.stream
+        assert stream is not None and stream.sock is not None  # still on the data stream
         assert torch.equal(served.kv["r2"], kv_bytes(src, "a"))
     finally:
         tx.close()

@@ -1,7 +1,7 @@
 """The Ray transport's same-node path (`transfer.ray_shm`): a sender whose pool lives in /dev/shm
 names it at the handshake, the receiving actor maps it, and each transfer passes only the frames'
 offsets, copied once into the receiver's blocks (no payload in the actor call: the test's actor
-handle refuses `kv_receive`). A sender without such a pool, or one naming a file that is not a
+handle refuses the "receive" call). A sender without such a pool, or one naming a file that is not a
 pdserve pool, stays on the object store; offsets outside the sender's pool or of the wrong count
 are refused with the receiver's pool unchanged."""
 
@@ -27,15 +27,16 @@ LAYOUT = (2, 2, 8, 16, "float16")
 
 
 class NoPayloadCalls:
-    """An actor handle whose kv_receive (payload in the call) must not be used."""
+    """An actor handle whose "receive" call (payload in the call) must not be used."""
 
     def __init__(self, handle):
         self._handle = handle
+        self.kv = self
 
-    def __getattr__(self, name):
-        if name == "kv_receive":
+    def remote(self, call, *args):
+        if call == "receive":
             raise AssertionError("the payload went through the object store")
-        return getattr(self._handle, name)
+        return self._handle.kv.remote(call, *args)
 
 
 def test_same_node_payload_is_read_from_the_senders_pool(ray_session):
@@ -108,13 +109,13 @@ def test_bad_offsets_are_refused_and_the_pool_is_unchanged(case):
     elif case == "one offset short":
         offsets = offsets[:-1] if len(offsets) > 1 else []
     before = (dst.allocator.num_free, dst.allocator.num_cached, dict(dst.tables))
-    reply = decode(rx.kv_receive_shm(conn, seal(encode(ex.manifest)), encode_offsets(offsets)))
+    reply = decode(rx.kv("receive_shm", conn, seal(encode(ex.manifest)), encode_offsets(offsets)))
     want = E.HandshakeRequired if case == "no mapped pool" else E.MalformedMessage
     assert isinstance(reply, Nack) and reply.code == want.code
     assert (dst.allocator.num_free, dst.allocator.num_cached, dict(dst.tables)) == before
     # the honest offsets import exactly
     good = pool_offsets(src.storage, ex.frames)
-    reply = decode(rx.kv_receive_shm("c", seal(encode(ex.manifest)), encode_offsets(good)))
+    reply = decode(rx.kv("receive_shm", "c", seal(encode(ex.manifest)), encode_offsets(good)))
     assert not isinstance(reply, Nack)
     assert kv_digest(dst, "r") == kv_digest(src, "a")
     dst.check_integrity()

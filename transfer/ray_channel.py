@@ -1,13 +1,14 @@
 """The Ray channel, sending side: how a `transfer.session.SenderSession` reaches a decode worker's
-`RayReceiverEndpoint` through its actor's `kv_*` calls (msgpack bytes in and out; payload pieces
-as numpy arrays that Ray copies once into its object store, or inline under 100 KiB).
+`RayReceiverEndpoint` through its actor's one channel method, `kv(call, conn, *args)` (msgpack
+bytes in and out; payload pieces as numpy arrays that Ray copies once into its object store, or
+inline under 100 KiB).
 
-A whole transfer is one call: the manifest with its frames (`kv_receive`), or, when the receiver
+A whole transfer is one call: the manifest with its frames ("receive"), or, when the receiver
 mapped this side's /dev/shm pool at the handshake (same node, `ray_shm`), only the frames' byte
-offsets in it (`kv_receive_shm`): one copy, pool to pool. A streamed transfer is `kv_offer`, one
-`kv_blocks` per batch of pieces (headers: `ray_wire`) and `kv_final`, with at most one call
+offsets in it ("receive_shm"): one copy, pool to pool. A streamed transfer is an "offer", one
+"blocks" call per batch of pieces (headers: `ray_wire`) and a "final", with at most one call
 outstanding, so a threaded actor never sees them out of order; the previous batch lands while
-the feed waits for the next prefill chunk. A failed stream sends `kv_cancel`. Every wait is a
+the feed waits for the next prefill chunk. A failed stream sends "cancel". Every wait is a
 bounded `ray.get`. `RaySender(fingerprint, actor, config)` is a session over this channel.
 """
 
@@ -26,8 +27,6 @@ from transfer.ray_shm import encode_offsets, pool_offsets
 from transfer.ray_wire import BLOCKS, CANCEL, FINAL, OFFER, OK, StreamHeader, decode_header, encode_header
 from transfer.session import SenderSession
 from transfer.transport import TransportConfig
-
-_CALLS = {"hello": "kv_hello", "query": "kv_query"}
 
 
 def RaySender(fingerprint: dict, actor, config: TransportConfig | None = None, *, metrics=None, faults=None,
@@ -63,7 +62,11 @@ class RayChannel:
         return {"pool_path": getattr(self.pool, "shm_path", None) or ""}
 
     def request(self, kind: str, body: bytes, deadline: float) -> bytes:
-        return self.get(getattr(self.actor, _CALLS[kind]).remote(self.conn, body), deadline, f"{kind} reply")
+        return self.get(self.call(kind, body), deadline, f"{kind} reply")
+
+    def call(self, call: str, *args):
+        """One channel call to the receiving actor (an ObjectRef to its reply bytes)."""
+        return self.actor.kv.remote(call, self.conn, *args)
 
     def accepted(self, reply) -> None:
         path = self.hello_fields()["pool_path"]
@@ -111,11 +114,11 @@ class _Whole:
             return
         offsets = pool_offsets(ch.pool, self.frames) if ch.shm else None
         if offsets is not None:  # same node: the receiver copies the frames out of our pool file
-            self.ref = ch.actor.kv_receive_shm.remote(ch.conn, self.bodies[0], encode_offsets(offsets))
+            self.ref = ch.call("receive_shm", self.bodies[0], encode_offsets(offsets))
             return
         args = [np.frombuffer(f, dtype=np.uint8) for f in self._frames()]
         for body in self.bodies:
-            self.ref = ch.actor.kv_receive.remote(ch.conn, body, *args)
+            self.ref = ch.call("receive", body, *args)
 
     def verdict(self, deadline: float) -> bytes:
         if self.ref is None:
@@ -135,7 +138,7 @@ class _Stream:
         self.pending = None
         self.limit = ch.config.transfer_timeout_s
         for body in bodies:  # a dropped offer: the receiver refuses the blocks of a stream it never saw
-            self._submit("kv_offer", StreamHeader(OFFER, token), body)
+            self._submit("offer", StreamHeader(OFFER, token), body)
 
     def _wait(self) -> None:
         if self.pending is not None:
@@ -154,7 +157,7 @@ class _Stream:
 
     def _submit(self, method: str, header: StreamHeader, *args) -> None:
         self._wait()
-        self.pending = getattr(self.ch.actor, method).remote(self.ch.conn, encode_header(header), *args)
+        self.pending = self.ch.call(method, encode_header(header), *args)
 
     def send(self, items) -> bool:
         pieces = list(items)
@@ -162,14 +165,14 @@ class _Stream:
             keys = [k for k, _ in pieces]
             header = StreamHeader(BLOCKS, self.token, self.seq, tuple(k[0] for k in keys),
                                   tuple(k[1] for k in keys), tuple(k[3] for k in keys))
-            self._submit("kv_blocks", header, *[np.frombuffer(v, dtype=np.uint8) for _, v in pieces])
+            self._submit("blocks", header, *[np.frombuffer(v, dtype=np.uint8) for _, v in pieces])
             self.seq += 1
         return True
 
     def end(self, final_body: bytes) -> None:
         self._wait()  # every batch landed and verified before the final goes
         header = encode_header(StreamHeader(FINAL, self.token, self.seq))
-        self.pending = self.ch.actor.kv_final.remote(self.ch.conn, header, final_body)
+        self.pending = self.ch.call("final", header, final_body)
 
     def verdict(self, deadline: float) -> bytes:
         ref, self.pending = self.pending, None
@@ -179,7 +182,7 @@ class _Stream:
         """Fire and forget: the receiver aborts the stream (it expires it anyway when idle)."""
         try:
             header = encode_header(StreamHeader(CANCEL, self.token))
-            self.ch.actor.kv_cancel.remote(self.ch.conn, header)
+            self.ch.call("cancel", header)
         except Exception:  # noqa: BLE001 - the actor is gone: nothing left to cancel
             pass
 

@@ -1,10 +1,10 @@
 """Streamed migration over the Ray transport, receiver side: a mixin of `RayReceiverEndpoint`
-(`transfer.ray_stream` is the sender and the header schema). `kv_offer` checks the sealed
+(`transfer.ray_channel` is the sender, `transfer.ray_wire` the header schema). An offer checks the sealed
 manifest, the handshake and admission (before any block is allocated), aborts an open stream of
 the same transfer id (no connection close tells a Ray receiver that a sender died: the newer
 attempt its reservation admits supersedes it) and opens an `ImportSession`, which reserves every
-block of the sequence; `kv_blocks` lands each chunk of a batch into the reserved blocks and
-verifies its inline xxh3 right after landing; `kv_final` checks that the closing state continues
+block of the sequence; each blocks call lands each chunk of a batch into the reserved blocks and
+verifies its inline xxh3 right after landing; the final checks that the closing state continues
 the offered sequence and that every batch the sender counted has landed, then commits (only then
 is the sequence adopted). Any error aborts the stream as a whole (every reserved block returned)
 and is answered by a nack, as is every later call of that stream. `expire_streams` aborts
@@ -56,19 +56,6 @@ class RayStreamMixin:
 
     def _streams(self) -> dict[str, _Stream]:
         return self._open_streams
-
-    # ---- the actor-facing calls (reply bytes only) ----------------------------------------------------
-    def kv_offer(self, conn: str, header: bytes, manifest: bytes) -> bytes:
-        return self.stream_call(OFFER, conn, header, manifest, ())[0]
-
-    def kv_blocks(self, conn: str, header: bytes, *frames) -> bytes:
-        return self.stream_call(BLOCKS, conn, header, b"", frames)[0]
-
-    def kv_final(self, conn: str, header: bytes, final: bytes) -> bytes:
-        return self.stream_call(FINAL, conn, header, final, ())[0]
-
-    def kv_cancel(self, conn: str, header: bytes) -> bytes:
-        return self.stream_call(CANCEL, conn, header, b"", ())[0]
 
     # ---- the owner's entry point ------------------------------------------------------------------
     def stream_call(self, call: str, conn: str, header: bytes, body,

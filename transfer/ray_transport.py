@@ -20,21 +20,29 @@ manifest, offsets)`, each returning msgpack bytes, and for streamed migrations
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
+import select
 import time
 
 from transfer.admission import OPEN, refused
 from transfer.codec import decode, encode, unseal
 from transfer.epochs import EpochGuard
-from transfer.errors import HandshakeRequired, TransferError
+from transfer.errors import HandshakeRequired, MalformedMessage, TransferError, TransportClosed
 from transfer.importer import ImportResult, import_sequence
 from transfer.messages import Ack, Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.ray_handshake import RayHandshakeMixin
 from transfer.ray_stream_receiver import RayStreamMixin
+from transfer.ray_wire import BLOCKS, CANCEL, FINAL, OFFER
 from transfer.reblock import CompatPlan
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
+from transfer.wakeup import Wakeup
+
+# a streamed transfer's channel calls -> their header kinds (ray_wire)
+STREAM_CALLS = {"offer": OFFER, "blocks": BLOCKS, "final": FINAL, "cancel": CANCEL}
 
 log = logging.getLogger(__name__)
 
@@ -53,42 +61,105 @@ class RayReceiverEndpoint(RayHandshakeMixin, RayStreamMixin):
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
         self.pools: dict[str, object] = {}  # connection -> its same-node sender's pool (ray_shm.PeerPool)
         self._init_streams()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (call, conn, args, future) from `deliver`
+        self._committed: list[ImportResult] = []  # imports committed by inbox calls, not yet polled
+        self.wakeup = Wakeup()
 
-    # ---- transfer.channel.ReceiverEndpoint: imports arrive as the owner's calls, not through poll
+    # ---- the actor's threads ----------------------------------------------------------------------
+    def deliver(self, call: str, conn: str, args: tuple) -> concurrent.futures.Future:
+        """Queue one channel call for the owner's `poll` (any thread); its future gets the reply."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((call, conn, args, future))
+        self.wakeup.set()
+        return future
+
+    def kv(self, call: str, conn: str, *args) -> bytes:
+        """The channel's one entry point, for an owner whose actor runs it on its own thread (a
+        decode worker instead delivers the call to its loop: `deliver`)."""
+        return self.handle(call, conn, args)[0]
+
+    # ---- transfer.channel.ReceiverEndpoint -------------------------------------------------------------
     @property
     def address(self) -> str:
         return f"ray://{self.config.peer_name}"  # senders find the actor by this name
 
-    def poll(self, timeout: float) -> None:
-        """Housekeeping only, returning at once: streams gone idle (their prefill died) are aborted,
-        their blocks returned. Committed imports come back from `receive` and `stream_call`."""
-        if self.expire_streams():
-            log.warning("%s: an idle KV stream expired", self.config.peer_name)
-        return None
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def poll(self, timeout: float) -> ImportResult | None:
+        """Serve the delivered calls until one commits an import (returned), `timeout` passes or
+        `wake()` is called (None). Streams gone idle (their prefill died) are aborted meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while True:
+                try:
+                    call, conn, args, future = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                reply, result = self.handle(call, conn, args)
+                if result is not None:
+                    self._committed.append(result)
+                future.set_result(reply)
+            if self.expire_streams():
+                log.warning("%s: an idle KV stream expired", self.config.peer_name)
+            if self._committed:
+                return self._committed.pop(0)
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.wakeup.fd], [], [], left)[0]:
+                return None
+            self.wakeup.clear()
+            if self._inbox.empty():
+                return None  # woken for the owner (a queued command)
+
+    def handle(self, call: str, conn: str, args: tuple) -> tuple[bytes, ImportResult | None]:
+        """One channel call: the reply bytes, and the import it committed (or None). Never raises:
+        a call of the wrong shape is refused like any malformed message."""
+        try:
+            if call == "hello":
+                (data,) = args
+                return self.kv_hello(conn, data), None
+            if call == "query":
+                (data,) = args
+                return self.kv_query(conn, data), None
+            if call == "receive":
+                return self.receive(conn, args[0], args[1:])
+            if call == "receive_shm":
+                manifest, offsets = args
+                return self.receive(conn, manifest, (), offsets)
+            if call in STREAM_CALLS:
+                header, rest = args[0], args[1:]
+                body = rest[0] if call in ("offer", "final") and len(rest) == 1 else b""
+                frames = rest if call == "blocks" else ()
+                if call in ("offer", "final") and len(rest) != 1 or call == "cancel" and rest:
+                    raise MalformedMessage(f"{call} call with {len(rest)} arguments after its header")
+                return self.stream_call(STREAM_CALLS[call], conn, header, body, frames)
+            raise MalformedMessage(f"unknown channel call {str(call)[:32]!r}")
+        except (TypeError, ValueError, IndexError, MalformedMessage) as e:
+            if not isinstance(e, MalformedMessage):
+                e = MalformedMessage(f"{str(call)[:32]!r}: a call of the wrong shape")
+            return self._nack(e), None
 
     def abort_request(self, request_id: str) -> int:
         """The request was aborted: its streams end now, their reservation returned."""
         return self.abort_streams(request_id)
 
     def close(self) -> None:
-        """Open streams end (their blocks returned); handshakes and mapped sender pools are forgotten."""
+        """Open streams end (their blocks returned); handshakes and mapped sender pools are forgotten;
+        calls still queued are refused."""
         for request_id in {t.rpartition("/")[0] for t in self.in_flight()}:
             self.abort_streams(request_id)
         self.plans.clear()
         self.pools.clear()
+        while not self._inbox.empty():
+            self._inbox.get_nowait()[3].set_result(self._turn_away(TransportClosed("the receiver closed")))
+        for result in self._committed:  # committed but never handed to the owner: returned
+            self.manager.free(result.seq_id, uncache=True)
+        self._committed.clear()
 
     def _nack(self, err: TransferError, request_id: str = "", epoch: int = 0, counted: bool = False) -> bytes:
         if not counted:
             self.metrics.record_error(err)
         return encode(Nack(request_id, epoch, err.code, str(err)))
-
-    def kv_receive(self, conn: str, manifest: bytes, *frames) -> bytes:
-        """The actor-facing call: the reply bytes only (see `receive`)."""
-        return self.receive(conn, manifest, frames)[0]
-
-    def kv_receive_shm(self, conn: str, manifest: bytes, offsets: bytes) -> bytes:
-        """Same node: the frames lie at `offsets` in the sender's pool file (see `receive`)."""
-        return self.receive(conn, manifest, (), offsets)[0]
 
     def receive(self, conn: str, manifest: bytes, frames, offsets: bytes | None = None
                 ) -> tuple[bytes, ImportResult | None]:

@@ -19,12 +19,9 @@ from dataclasses import dataclass, field
 class Capabilities:
     """What a transport can do, read by the workers in place of its name."""
 
-    # imports arrive through the receiver's own `poll` (it waits on a socket); False: they arrive as
-    # the decode worker's actor calls (`kv_*`, run on its loop as commands) and `poll` only expires
-    polled: bool = True
     # a same-node receiver copies the frames straight from the sender's pool (a /dev/shm file it maps)
     same_node_pool: bool = False
-    # `Sender.migrate_streamed`: blocks leave while the prompt is still being computed
+    # `SenderSession.migrate_streamed`: blocks leave while the prompt is still being computed
     streamed: bool = True
 
 
@@ -33,7 +30,7 @@ class Transport:
     """One registered transport."""
 
     name: str
-    # (fingerprint, TransportConfig, *, receiver, namespace, faults, pool) -> a transfer.channel.Sender
+    # (fingerprint, TransportConfig, *, receiver, namespace, faults, pool) -> a transfer.session.SenderSession
     # for the decode worker named `receiver`
     make_sender: Callable
     # (manager, TransportConfig, *, admission, port_min, port_max) -> a transfer.channel.ReceiverEndpoint
@@ -120,5 +117,5 @@ def _ray_receiver(manager, config, *, admission, port_min: int = 0, port_max: in
 register(Transport("zmq", _zmq_sender, _zmq_receiver, bench_names=("zmq-tcp", "zmq-ipc", "zmq-frames")))
 register(Transport("ray", _ray_sender, _ray_receiver, checksum_mode="manifest",
                    engine_options={"kv_shm": True},
-                   capabilities=Capabilities(polled=False, same_node_pool=True),
+                   capabilities=Capabilities(same_node_pool=True),
                    bench_names=("ray", "ray-store")))

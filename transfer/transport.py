@@ -1,26 +1,7 @@
-"""The transport contract both transports (`zmq_transport`, `ray_transport`) implement, and the
-frozen config they read their addresses and timeouts from.
-
-The contract, as `typing.Protocol`s in `transfer.channel` (structural: no base class), with each
-transport's factories in `transfer.registry`:
-
-Sender (prefill side, one per connection to a receiver):
-  connect(timeout=None) -> CompatPlan      handshake: layouts compared once per connection
-  query(request_id, token_ids, extra_key=None, timeout=None) -> list[int]
-                                           dedupe: receiver blocks it already holds
-  send(exported, timeout=None) -> Ack      stream manifest + payload, wait for the ack; on ack or
-                                           nack release the export's lease; raise the typed error
-  migrate(manager, seq_id, request_id, epoch, state, dedupe=True, leases=None) -> Ack
-                                           query + export + send, one retry on a dedupe miss
-  close()
-Receiver (decode side):
-  poll(timeout) -> ImportResult | None     serve handshakes/queries; return the next committed
-                                           import, raise the typed error of a failed one (already
-                                           nacked, counted, and its reservation released), or
-                                           None when `timeout` passes with nothing committed
-                                           (Ray: imports arrive as actor calls; poll only expires)
-  in_flight() / abort_request(request_id)  transfers still landing; end a request's
-  close()
+"""The frozen config every KV endpoint reads its addresses, sizes and timeouts from
+(`TransportConfig`), and the handshake's signing and checking shared by every channel
+(`make_hello`, `authenticate_hello`, `sign_reply`, `check_reply`). The protocol itself is
+`transfer.session` (sending) and each receiver; the contracts are in `transfer.channel`.
 Every wait is bounded by a timeout from `TransportConfig`.
 """
 

@@ -35,6 +35,7 @@ from transfer.refusals import Refusals, as_refusal
 from transfer.stream_receiver import StreamListener
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
+from transfer.wakeup import Wakeup
 from transfer.zmq_handshake import HandshakeMixin
 from transfer.zmq_payload import PayloadMixin
 from transfer.zmq_peers import IdleConnections, Peer, PeerTable
@@ -68,6 +69,8 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
         self.poller = zmq.Poller()
         self.poller.register(s, zmq.POLLIN)
+        self.wakeup = Wakeup()
+        self.poller.register(self.wakeup.fd, zmq.POLLIN)
         self.streams: StreamListener | None = None
         if config.data_plane == "stream":
             scheme, where = parse_address(self.address)
@@ -87,7 +90,8 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         return self._bound[-1]
 
     def poll(self, timeout: float) -> ImportResult | None:
-        """Serve until an import commits (returned), one fails (its error raised), or timeout."""
+        """Serve until an import commits (returned), one fails (its error raised), `timeout` passes or
+        `wake()` is called (None)."""
         deadline = time.monotonic() + timeout
         while True:
             result = self._landed()
@@ -108,10 +112,18 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
                 wait = min(wait, max(0.0, min(idle)))
             if self.streams is not None and not self.streams.finished.empty():
                 wait = 0.0
-            if self.sock in dict(self.poller.poll(math.ceil(wait * 1000))):
+            ready = dict(self.poller.poll(math.ceil(wait * 1000)))
+            if self.sock in ready:
                 result = self._handle()
                 if result is not None:
                     return result
+            if self.wakeup.fd in ready:  # woken for the owner (a queued command)
+                self.wakeup.clear()
+                return None
+
+    def wake(self) -> None:
+        """Any thread: end the owner's `poll` now (returning None if nothing committed)."""
+        self.wakeup.set()
 
     def in_flight(self) -> dict[str, list[int]]:
         """Transfer id -> receiver blocks reserved by an import still landing (not yet committed)."""
@@ -130,6 +142,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
         self.idle.close()
         self.sock.close(0)
         self.ctx.term()
+        self.wakeup.close()
         for endpoint in self._bound:  # ZeroMQ leaves ipc:// socket files behind
             if endpoint.startswith("ipc://"):
                 with contextlib.suppress(OSError):
