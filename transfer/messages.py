@@ -27,7 +27,19 @@ from transfer.manifest import (
     validate_fingerprint,
     validate_sampling,
 )
-from transfer.schema import U32, U64, Limits, get, get_float, get_int, get_packed, get_str, pack, require_keys
+from transfer.schema import (
+    U32,
+    U64,
+    Limits,
+    get,
+    get_bool,
+    get_float,
+    get_int,
+    get_packed,
+    get_str,
+    pack,
+    require_keys,
+)
 
 
 @dataclass(frozen=True)
@@ -218,8 +230,47 @@ class Final:
                    get_int(wire, "epoch", 0, MAX_EPOCH, what), state)
 
 
+@dataclass(frozen=True)
+class PoolOffer:
+    """A handshaken sender offers its pool for the receiver to read payloads from (`transfer.pull`):
+    `kind` names the way ("shm": a /dev/shm file on this node; "nixl": a NIXL agent's registered
+    region), `blob` is that way's description, parsed strictly by its opener."""
+
+    kind: str
+    blob: bytes
+
+    def to_wire(self) -> dict:
+        return {"v": PROTOCOL_VERSION, "kind": "pool_offer", "way": self.kind, "blob": bytes(self.blob)}
+
+    @classmethod
+    def from_wire(cls, wire, limits: Limits) -> PoolOffer:
+        what = "pool offer"
+        require_keys(wire, {"v", "kind", "way", "blob"}, what)
+        blob = get(wire, "blob", what)
+        if type(blob) is not bytes or len(blob) > POOL_OFFER_MAX_BYTES:
+            raise MalformedMessage(f"{what}: blob must be bytes of at most {POOL_OFFER_MAX_BYTES}")
+        return cls(get_str(wire, "way", 16, what), blob)
+
+
+@dataclass(frozen=True)
+class PoolReply:
+    """The receiver's answer to a `PoolOffer`: whether payloads may name places in that pool."""
+
+    accepted: bool
+    why: str = ""
+
+    def to_wire(self) -> dict:
+        return {"v": PROTOCOL_VERSION, "kind": "pool_reply", "accepted": self.accepted, "why": self.why}
+
+    @classmethod
+    def from_wire(cls, wire, limits: Limits) -> PoolReply:
+        require_keys(wire, {"v", "kind", "accepted", "why"}, "pool reply")
+        return cls(get_bool(wire, "accepted", "pool reply"), get_str(wire, "why", 200, "pool reply", ""))
+
+
+POOL_OFFER_MAX_BYTES = 4096
 MESSAGE_KINDS = {"manifest": Manifest, "hello": Hello, "hello_ok": HelloReply, "query": Query, "held": Held,
-                 "ack": Ack, "nack": Nack, "final": Final}
+                 "ack": Ack, "nack": Nack, "final": Final, "pool_offer": PoolOffer, "pool_reply": PoolReply}
 __all__ = ["PROTOCOL_VERSION", "MAX_EPOCH", "FINGERPRINT_KEYS", "CHECKSUM_MODES", "Limits", "LimitExceeded",
            "DecodeState", "FrameDesc", "Manifest", "Hello", "HelloReply", "Query", "Held", "Ack", "Nack",
-           "Final", "MESSAGE_KINDS", "validate_fingerprint", "validate_sampling"]
+           "Final", "PoolOffer", "PoolReply", "MESSAGE_KINDS", "validate_fingerprint", "validate_sampling"]

@@ -38,6 +38,14 @@ def RaySender(fingerprint: dict, actor, config: TransportConfig | None = None, *
     return SenderSession(fingerprint, config, RayChannel(actor, config, pool), metrics=metrics, faults=faults)
 
 
+def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
+    """The registry's factory: a session to the decode worker actor named `receiver`."""
+    import ray
+
+    actor = ray.get_actor(receiver, namespace=namespace)
+    return RaySender(fingerprint, actor, config, faults=faults, pool=pool)
+
+
 class RayChannel:
     def __init__(self, actor, config: TransportConfig, pool=None):
         self.actor, self.config, self.pool = actor, config, pool

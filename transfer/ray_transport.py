@@ -195,3 +195,8 @@ class RayReceiverEndpoint(RayHandshakeMixin, RayStreamMixin):
         res.timings["receive_ms"] = (time.perf_counter() - t0) * 1e3
         return encode(Ack(res.request_id, res.epoch, res.new_blocks, res.reused_blocks, res.nbytes,
                           res.timings)), res
+
+
+def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> RayReceiverEndpoint:
+    """The registry's factory (Ray needs no port: senders find the worker's actor by name)."""
+    return RayReceiverEndpoint(manager, config, admission=admission)

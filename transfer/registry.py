@@ -3,7 +3,8 @@
 Workers, coordinator, CLI and bench look a transport up here (`get(name)`) instead of branching
 on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), the
 engine pool options its sending side needs, what it can do (`Capabilities`), and its variants in
-`pdserve bench migrate`. A new transport is its files plus one `register(...)` line below.
+`pdserve bench migrate`. A new transport is its files plus one `register(...)` line below, whose
+factories name functions in those files.
 
 Torch-free at import (the coordinator validates names with it): the factories import their
 transport when called.
@@ -11,8 +12,8 @@ transport when called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import import_module
 
 
 @dataclass(frozen=True)
@@ -27,20 +28,32 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Transport:
-    """One registered transport."""
+    """One registered transport. Its factories are "module:function" names, imported when called
+    (so this module stays torch-free and an optional transport's package is needed only in use)."""
 
     name: str
     # (fingerprint, TransportConfig, *, receiver, namespace, faults, pool) -> a transfer.session.SenderSession
-    # for the decode worker named `receiver`
-    make_sender: Callable
+    # for the decode worker named `receiver`; pool: the sending worker's KVStorage
+    sender: str
     # (manager, TransportConfig, *, admission, port_min, port_max) -> a transfer.channel.ReceiverEndpoint
-    make_receiver: Callable
+    receiver: str
     # how its senders checksum payloads: "inline" (per chunk while streaming) or "manifest" (before sending)
     checksum_mode: str = "inline"
     # EngineConfig fields a sending worker's pool needs (Ray: a /dev/shm pool that same-node peers map)
     engine_options: dict = field(default_factory=dict)
     capabilities: Capabilities = Capabilities()
     bench_names: tuple[str, ...] = ()  # its variants in `pdserve bench migrate`
+
+    def make_sender(self, fingerprint, config, **kwargs):
+        return _load(self.sender)(fingerprint, config, **kwargs)
+
+    def make_receiver(self, manager, config, **kwargs):
+        return _load(self.receiver)(manager, config, **kwargs)
+
+
+def _load(where: str):
+    module, _, name = where.partition(":")
+    return getattr(import_module(module), name)
 
 
 _TRANSPORTS: dict[str, Transport] = {}
@@ -72,50 +85,8 @@ def validate(name: str) -> str:
     return name
 
 
-# ---- factories: each imports its transport when called -------------------------------------------------
-def _zmq_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
-    from transfer.zmq_channel import ZmqSender
-
-    return ZmqSender(fingerprint, config, faults=faults)
-
-
-def _zmq_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
-    """A ZeroMQ receiver on the first free port of [port_min, port_max] (any port when 0)."""
-    import dataclasses
-
-    import zmq
-
-    from transfer.zmq_receiver import ZmqReceiver
-
-    if not port_min:
-        return ZmqReceiver(manager, config, admission=admission)
-    host = config.address.rsplit(":", 1)[0]
-    for port in range(port_min, max(port_min, port_max) + 1):
-        try:
-            return ZmqReceiver(manager, dataclasses.replace(config, address=f"{host}:{port}"),
-                               admission=admission)
-        except zmq.ZMQError:  # taken: the next one
-            continue
-    raise RuntimeError(f"no free KV receiver port in {port_min}..{port_max}")
-
-
-def _ray_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
-    import ray
-
-    from transfer.ray_channel import RaySender
-
-    actor = ray.get_actor(receiver, namespace=namespace)
-    return RaySender(fingerprint, actor, config, faults=faults, pool=pool)
-
-
-def _ray_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
-    from transfer.ray_transport import RayReceiverEndpoint
-
-    return RayReceiverEndpoint(manager, config, admission=admission)
-
-
-register(Transport("zmq", _zmq_sender, _zmq_receiver, bench_names=("zmq-tcp", "zmq-ipc", "zmq-frames")))
-register(Transport("ray", _ray_sender, _ray_receiver, checksum_mode="manifest",
-                   engine_options={"kv_shm": True},
-                   capabilities=Capabilities(same_node_pool=True),
-                   bench_names=("ray", "ray-store")))
+register(Transport("zmq", "transfer.zmq_transport:make_sender", "transfer.zmq_transport:make_receiver",
+                   bench_names=("zmq-tcp", "zmq-ipc", "zmq-frames")))
+register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
+                   checksum_mode="manifest", engine_options={"kv_shm": True},
+                   capabilities=Capabilities(same_node_pool=True), bench_names=("ray", "ray-store")))

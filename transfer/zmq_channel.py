@@ -3,10 +3,12 @@
 A DEALER socket connected to the receiver carries the control messages (wire format:
 `transfer.zmq_wire`); payloads go on the raw data stream the receiver offers in its hello reply
 (`stream_sender.DataStream`, opened with the signed token), or as ZeroMQ messages behind the
-manifest when the payload is at most `inline_bytes` or the data plane is "zmq". Chunks are sent
-zero-copy from pool memory or a staging slot; between chunks the channel checks whether the
-receiver already answered (it gave up early), and stops. Every wait is a bounded poll; a timeout
-resets the connection (the receiver may or may not have committed: the session keeps the lease).
+manifest when the payload is at most `inline_bytes` or the data plane is "zmq", or stay where
+they are when the receiver accepted this side's pool offer (`transfer.pull`: it reads them from
+there). Chunks are sent zero-copy from pool memory or a staging slot; between chunks the channel
+checks whether the receiver already answered (it gave up early), and stops. Every wait is a
+bounded poll; a timeout resets the connection (the receiver may or may not have committed: the
+session keeps the lease).
 `ZmqSender(fingerprint, config)` is a session over this channel.
 """
 
@@ -16,27 +18,35 @@ import time
 
 import zmq
 
+from transfer.codec import decode, encode
 from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
+from transfer.messages import Nack, PoolReply
+from transfer.pull import encode_offsets
 from transfer.session import SenderSession
 from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.zmq_wire import DATA, TOKEN
 
-_REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q")}  # control request -> (header, reply header)
+# a control request -> (its header, its reply's header)
+_REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q"), "pool": (b"U", b"u")}
 
 
-def ZmqSender(fingerprint: dict, config: TransportConfig | None = None, *, metrics=None, faults=None):
-    """A sender session over a ZeroMQ channel to the receiver at config.address."""
+def ZmqSender(fingerprint: dict, config: TransportConfig | None = None, *, metrics=None, faults=None,
+              advert=None):
+    """A sender session over a ZeroMQ channel to the receiver at config.address. advert: this
+    side's pool, offered for the receiver to read payloads from (`transfer.pull`), or None."""
     config = config or TransportConfig()
-    return SenderSession(fingerprint, config, ZmqChannel(config, metrics), metrics=metrics, faults=faults)
+    channel = ZmqChannel(config, metrics, advert)
+    return SenderSession(fingerprint, config, channel, metrics=metrics, faults=faults)
 
 
 class ZmqChannel:
-    def __init__(self, config: TransportConfig, metrics=None):
+    def __init__(self, config: TransportConfig, metrics=None, advert=None):
         from transfer.metrics import DEFAULT_METRICS
 
         self.config, self.metrics = config, metrics or DEFAULT_METRICS
+        self.advert, self.pull = advert, False  # pull: the receiver reads our pool (it accepted the offer)
         self.ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = None
         self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
@@ -70,6 +80,8 @@ class ZmqChannel:
         self.close_stream()
         self.sock.close(0)
         self.ctx.term()
+        if self.advert is not None:
+            self.advert.close()
 
     # ---- waiting ------------------------------------------------------------------------------------
     def reply(self, headers: tuple[bytes, ...]):
@@ -108,12 +120,43 @@ class ZmqChannel:
         if reply.data_token and (reply.data_port or reply.data_path) and self.hello_fields()["stream"]:
             at = ("tcp", self.where, reply.data_port) if self.scheme == "tcp" else ("ipc", reply.data_path)
             self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
+        self.pull = False
+        if self.advert is not None:  # offered once per handshake; declined: payloads are pushed
+            deadline = time.monotonic() + self.config.connect_timeout_s
+            answer = decode(self.request("pool", encode(self.advert.offer()), deadline), self.config.limits,
+                            (PoolReply, Nack))
+            self.pull = isinstance(answer, PoolReply) and answer.accepted
 
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> _Transfer:
         if streamed and self.stream is None:
             raise HandshakeRequired("a streamed migration needs the receiver's data stream")
+        if self.pull and not streamed and frames is not None and manifest.checksum_mode == "manifest":
+            offsets = self.advert.offsets(frames)
+            if offsets is not None:  # every frame is pool memory: the receiver reads it there
+                return _Pulled(self, token, bodies, offsets)
         return _Transfer(self, token, manifest, bodies, streamed, deadline)
+
+
+class _Pulled:
+    """A whole transfer the receiver reads from our pool: "M", then "P" with each frame's offset."""
+
+    def __init__(self, ch: ZmqChannel, token: int, bodies: list[bytes], offsets: list[int]):
+        self.ch, self.token, self.offsets = ch, token, offsets
+        for body in bodies:
+            ch.sock.send_multipart([TOKEN.pack(b"M", token), body])
+
+    def send(self, items) -> bool:
+        return True  # the pieces stay where they are
+
+    def end(self, final_body) -> None:
+        self.ch.sock.send_multipart([TOKEN.pack(b"P", self.token), encode_offsets(self.offsets)])
+
+    def verdict(self, deadline: float) -> bytes:
+        return self.ch.wait((TOKEN.pack(b"A", self.token),), deadline, "ack")
+
+    def cancel(self) -> None:
+        pass
 
 
 class _Transfer:

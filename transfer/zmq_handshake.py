@@ -3,18 +3,26 @@
 addressed to this receiver, fresh and genuine before anything about the receiver is revealed;
 every failure up to there, of any exception type, is a counted refusal that never leaves `poll`;
 then layouts are compared, a data-stream token is issued when the sender asked for one, and the
-reply is signed for this hello) and the dedupe query (`_query`: answered only for an admitted
-request of the sender's). Owner's thread only.
+reply is signed for this hello), the sender's offer of its pool to read payloads from (`_pool`,
+`transfer.pull`) and the dedupe query (`_query`: answered only for an admitted request of the
+sender's). Owner's thread only.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import zmq
+
 from transfer.admission import refused
 from transfer.codec import decode
-from transfer.errors import MalformedMessage, TransferError
-from transfer.messages import Held, HelloReply, Nack, Query
+from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
+from transfer.messages import Held, HelloReply, Nack, PoolOffer, PoolReply, Query
+from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
+from transfer.refusals import as_refusal
 from transfer.transport import authenticate_hello, sign_reply
+from transfer.zmq_wire import TOKEN
 
 
 class HandshakeMixin:
@@ -28,8 +36,29 @@ class HandshakeMixin:
         self._send(ident, header, Nack("", 0, err.code, str(err)[:200]))
         return None
 
+    def _stranger(self, ident: bytes, peer, first, frame) -> None:
+        """A message from a peer without a completed handshake: a hello is checked (`_hello`),
+        anything else is refused unread. Nothing raised here leaves `poll`."""
+        with contextlib.suppress(zmq.ZMQError):
+            peer.fd = first.get(zmq.SRCFD)  # its connection: trusted once the hello passes (zmq_peers)
+        try:
+            header = frame.bytes
+            if header != b"H" or not self._more():
+                self._drain()  # answered under the header the sender waits on (q, A+token), else N
+                reply = {b"Q": b"q", b"U": b"u"}.get(header, b"N")
+                if len(header) == TOKEN.size and header[:1] in b"MSOEFP":
+                    reply = TOKEN.pack(b"A", TOKEN.unpack(header)[1])
+                return self._turn_away(ident, reply, HandshakeRequired("no completed handshake"))
+            body = self.sock.recv(copy=False)
+            if self._drain():
+                raise MalformedMessage("hello with extra parts")
+        except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
+            return self._turn_away(ident, b"h", as_refusal(e))
+        return self._hello(ident, peer, body.buffer)  # refuses whatever fails before authentication
+
     def _hello(self, ident: bytes, peer, body) -> None:
         peer.plan = None  # a new handshake replaces the old one, whatever its outcome
+        drop_source(peer)
         try:
             hello = authenticate_hello(body, body.nbytes, self.config, self._nonces)
         except TransferError as e:
@@ -48,6 +77,21 @@ class HandshakeMixin:
             reply = HelloReply(self.fingerprint, self.config.peer_name, st.port if tcp else 0,
                                "" if tcp else st.path, st.issue(ident))
         self._send(ident, b"h", sign_reply(reply, hello, self.config))
+        return None
+
+    def _pool(self, ident: bytes, peer, body) -> None:
+        """A handshaken sender offers its pool to read payloads from (`transfer.pull`)."""
+        try:
+            offer = decode(body, self.config.limits, PoolOffer)
+        except TransferError as e:
+            self._refuse(ident, b"u", e)
+        drop_source(peer)
+        try:
+            peer.source = open_source(offer, self.manager.storage)
+            reply = PoolReply(True)
+        except MalformedMessage as e:  # another node's file, a way this receiver lacks: bytes are pushed
+            peer.source, reply = None, PoolReply(False, str(e)[:200])
+        self._send(ident, b"u", reply)
         return None
 
     def _query(self, ident: bytes, peer, body) -> None:

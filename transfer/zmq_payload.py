@@ -1,9 +1,10 @@
 """How a ZeroMQ receiver's transfers end, as a mixin of `ZmqReceiver`: superseded by a newer epoch
 of the same request (`_supersede`), payload chunks that came as ZeroMQ messages (`_chunk`),
 payloads that finished landing on the raw data stream (`_landed`, from `stream_receiver`'s
-reader threads), a streamed migration's closing state (`_final`), and the commit with its ack
-(`_end`). Everything here runs on the receiver's owner thread; a failure goes through `_fail`
-(reservation released, nack, count).
+reader threads), payloads read from the sender's own pool (`_pull`, `transfer.pull`), a streamed
+migration's closing state (`_final`), and the commit with its ack (`_end`). Everything here runs
+on the receiver's owner thread; a failure goes through `_fail` (reservation released, nack,
+count).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transfer.codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
 from transfer.importer import ImportResult
 from transfer.messages import Ack, Final
+from transfer.pull import land_pulled
 from transfer.zmq_wire import TOKEN
 
 
@@ -87,6 +89,22 @@ class PayloadMixin:
         peer.final = final
         s.manifest = dataclasses.replace(m, state=final.state)
         return self._end(ident, peer, token) if peer.landed else None
+
+    def _pull(self, ident: bytes, peer, token: int, body) -> ImportResult | None:
+        """A whole transfer's payload named by offsets in the sender's pool: read, verify, commit."""
+        s = peer.session
+        if s is None or token != peer.token or peer.landing is not None or peer.awaits_final:
+            self.metrics.add("stray_ends")
+            return None
+        t0 = time.perf_counter()
+        try:
+            if peer.source is None:
+                raise MalformedMessage("pool offsets on a connection whose pool this receiver does not read")
+            land_pulled(s, peer.source, body)
+        except TransferError as e:
+            return self._fail(ident, peer, e)
+        s.timings["land_ms"] = (time.perf_counter() - t0) * 1e3  # reads and checksums
+        return self._end(ident, peer, token)
 
     def _chunk(self, ident: bytes, peer, f: int, c: int, cs: int) -> None:
         s, sock, t0 = peer.session, self.sock, time.perf_counter()

@@ -37,6 +37,7 @@ class Peer:
         self.awaits_final = False        # streamed migration: commit only after `final` and the payload
         self.landed = False              # its payload finished landing while `final` was still missing
         self.token, self.t0 = -1, 0.0
+        self.source = None  # its pool, when it offered one this receiver can read (transfer.pull)
         self.fd, self.since = -1, time.monotonic()  # its connection's descriptor; first heard
 
     @property
@@ -78,6 +79,8 @@ class PeerTable:
             for k, old in self.known.items():
                 if old.session is None:
                     del self.known[k]
+                    if old.source is not None:  # its pool reader (transfer.pull) holds resources
+                        old.source.close()
                     break
         self.known[ident] = peer
 

@@ -31,7 +31,8 @@ from transfer.errors import (
 from transfer.importer import ImportResult, ImportSession
 from transfer.messages import Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
-from transfer.refusals import Refusals, as_refusal
+from transfer.pull import drop_source
+from transfer.refusals import Refusals
 from transfer.stream_receiver import StreamListener
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
@@ -137,6 +138,7 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             if p.session is not None:
                 p.session.abort()
                 p.session = None
+            drop_source(p)
         if self.streams is not None:
             self.streams.close()
         self.idle.close()
@@ -226,12 +228,12 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
             return self._garbled(ident, peer, MalformedMessage("message with extra parts"))
         if kind == b"H" and len(header) == 1:
             return self._hello(ident, peer, body)
-        if kind == b"Q" and len(header) == 1:
-            return self._query(ident, peer, body)
-        if kind in (b"M", b"S", b"O", b"E", b"F") and len(header) == TOKEN.size:
+        if kind in (b"Q", b"U") and len(header) == 1:
+            return (self._query if kind == b"Q" else self._pool)(ident, peer, body)
+        if kind in (b"M", b"S", b"O", b"E", b"F", b"P") and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
-            if kind == b"E":
-                return self._end(ident, peer, token)
+            if kind in (b"E", b"P"):
+                return self._end(ident, peer, token) if kind == b"E" else self._pull(ident, peer, token, body)
             if kind == b"F":
                 return self._final(ident, peer, token, body)
             if kind == b"M" or self.streams is None:
@@ -244,26 +246,6 @@ class ZmqReceiver(HandshakeMixin, PayloadMixin):
                 self.streams.refuse(ident, token)  # its payload, already on the way, is not awaited
                 raise
         return self._garbled(ident, peer, MalformedMessage(f"unknown message header {bytes(header[:16])!r}"))
-
-    def _stranger(self, ident: bytes, peer: Peer, first, frame) -> None:
-        """A message from a peer without a completed handshake: a hello is checked (`_hello`),
-        anything else is refused unread. Nothing raised here leaves `poll`."""
-        with contextlib.suppress(zmq.ZMQError):
-            peer.fd = first.get(zmq.SRCFD)  # its connection: trusted once the hello passes (zmq_peers)
-        try:
-            header = frame.bytes
-            if header != b"H" or not self._more():
-                self._drain()  # answered under the header the sender waits on (q, A+token), else N
-                reply = b"q" if header == b"Q" else b"N"
-                if len(header) == TOKEN.size and header[:1] in b"MSOEF":
-                    reply = TOKEN.pack(b"A", TOKEN.unpack(header)[1])
-                return self._turn_away(ident, reply, HandshakeRequired("no completed handshake"))
-            body = self.sock.recv(copy=False)
-            if self._drain():
-                raise MalformedMessage("hello with extra parts")
-        except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
-            return self._turn_away(ident, b"h", as_refusal(e))
-        return self._hello(ident, peer, body.buffer)  # refuses whatever fails before authentication
 
     def _garbled(self, ident: bytes, peer: Peer, err: TransferError):
         if peer.session is not None:

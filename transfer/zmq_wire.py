@@ -4,9 +4,11 @@ The decode side binds a ROUTER, each prefill side connects a DEALER. Every messa
 parts, [header, body] (the ROUTER adds the peer identity in front):
   H / h     hello / reply (msgpack Hello; HelloReply or Nack)
   Q / q     dedupe query / reply (Query; Held or Nack)
+  U / u     the sender offers its pool to read payloads from / reply (PoolOffer; PoolReply or Nack)
   M+token   manifest (msgpack Manifest)
   D+token+frame+chunk+xxh3   one payload chunk: raw bytes, sent zero-copy from pool memory
   E+token   end of payload (empty body)
+  P+token   instead of D...E: each frame's offset in the offered pool (uint64 LE; transfer.pull)
   A+token   ack or nack of a transfer (msgpack Ack or Nack)
   N         nack of a garbled message
 Chunks are separate messages rather than one multipart message (ZeroMQ delivers a multipart

@@ -1,0 +1,96 @@
+"""Payloads the receiver reads from the sender's pool (transfer.pull) over the ZeroMQ control
+channel: a same-node /dev/shm pool offered after the hello, landed bit-exact with no byte on the
+wire; an offer the receiver cannot open is declined and bytes are pushed as before; offsets
+outside the offered pool, or offsets on a connection whose pool was never accepted, fail the
+transfer with the receiver's pool exactly as it was."""
+
+import pytest
+import torch
+
+from bench.pools import fill_random_sequence, make_manager
+from kvcache.storage import KVLayout
+from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
+from transfer import errors as E
+from transfer.codec import encode, seal
+from transfer.export import ExportConfig, export_sequence
+from transfer.messages import PoolOffer
+from transfer.pull import ShmAdvert, encode_offsets
+from transfer.transport import TransportConfig
+from transfer.zmq_channel import ZmqSender
+from transfer.zmq_wire import TOKEN
+
+LAYOUT = KVLayout(block_size=16, **SHAPE)
+
+
+def _source(tokens=70, seed=1):
+    src = make_manager(LAYOUT, 64, shm=True)
+    fill_random_sequence(src, "a", tokens, torch.Generator().manual_seed(seed), list(range(1, tokens + 1)))
+    return src
+
+
+def _sender(src, address, advert="shm", **config):
+    cfg = TransportConfig(address=address, checksum_mode="manifest", inline_bytes=0, **config)
+    return ZmqSender(src.storage.layout.fingerprint(), cfg, advert=ShmAdvert(src.storage) if advert else None)
+
+
+@pytest.mark.parametrize("plane", ["stream", "zmq"])
+def test_same_node_pool_is_read_in_place(plane):
+    src = _source()
+    served = Served(make_manager(LAYOUT, 64), data_plane=plane)
+    tx = _sender(src, served.rx.address, data_plane=plane)
+    try:
+        tx.connect()
+        assert tx.channel.pull  # the receiver mapped our pool file
+        ack = tx.migrate(src, "a", "r1", 1, dedupe=False)
+        result = served.next()
+        assert result.request_id == "r1" and ack.nbytes == result.nbytes > 0
+        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
+        stream = tx.channel.stream
+        assert stream is None or stream.sock is None  # nothing went on the data stream
+    finally:
+        tx.close()
+        served.stop()
+
+
+def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_path):
+    src = _source()
+    served = Served(make_manager(LAYOUT, 64))
+
+    class Elsewhere(ShmAdvert):  # a pool file that is not ours (or on another node)
+        def offer(self):
+            return PoolOffer("shm", str(tmp_path / "pdserve-kv-nothere").encode())
+
+    cfg = TransportConfig(address=served.rx.address, checksum_mode="manifest", inline_bytes=0)
+    tx = ZmqSender(src.storage.layout.fingerprint(), cfg, advert=Elsewhere(src.storage))
+    try:
+        tx.connect()
+        assert not tx.channel.pull
+        tx.migrate(src, "a", "r1", 1, dedupe=False)
+        assert served.next().request_id == "r1"
+        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
+    finally:
+        tx.close()
+        served.stop()
+
+
+@pytest.mark.parametrize("offer", [True, False])
+def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
+    src = _source()
+    served = Served(make_manager(LAYOUT, 64))
+    tx = _sender(src, served.rx.address, advert="shm" if offer else None)
+    try:
+        tx.connect()
+        before = snapshot(served.manager)
+        ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="manifest"))
+        sock = tx.channel.sock
+        sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
+        far = src.storage.data.numel() * src.storage.data.element_size()  # the pool's end
+        sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets([far] * len(ex.manifest.frames))])
+        err = served.next()
+        assert isinstance(err, E.MalformedMessage)
+        assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
+        assert snapshot(served.manager) == before
+        ex.release()
+    finally:
+        tx.close()
+        served.stop()

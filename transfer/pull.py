@@ -1,0 +1,117 @@
+"""Payloads the receiver reads from the sender's pool (pull), for any control channel.
+
+After its hello, a sender whose pool can be read from the other side offers it (`PoolOffer`:
+a way and its description). The receiver opens it with that way's opener (`SOURCES`, one entry
+per way) or declines (`PoolReply`); a declined offer leaves the connection pushing bytes as
+before. A whole transfer whose frames all lie in the offered pool then sends, instead of its
+payload, each frame's byte offset in it (`encode_offsets`); the receiver reads every chunk
+straight into the blocks it reserved (`land_pulled`), verifies it against the manifest's
+checksums, and commits or fails exactly as for pushed bytes. The sender's blocks stay leased
+until the ack, so nothing it offers can change under the read.
+
+Ways: "shm", a /dev/shm pool file on the same node (`ShmAdvert`, `ShmSource`: one memcpy, pool to
+pool); "nixl" registers itself from `transfer.nixl_channel`. A source is bounds-checked against
+what the sender offered: an offset outside it is a MalformedMessage, never a read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from transfer.errors import FrameCountError, MalformedMessage
+from transfer.messages import PoolOffer
+from transfer.ray_shm import open_peer_pool
+
+SOURCES: dict = {}  # way -> opener(blob: bytes, storage) -> a source with read(offset, bufs) and close()
+
+
+def register_source(way: str, opener) -> None:
+    SOURCES[way] = opener
+
+
+def open_source(offer: PoolOffer, storage):
+    """The source for `offer` on this receiver (its pool: `storage`); MalformedMessage when the way
+    is unknown here or the offer cannot be opened (another node's file, a garbled blob)."""
+    opener = SOURCES.get(offer.kind)
+    if opener is None:
+        raise MalformedMessage(f"no pool reader {offer.kind[:16]!r} here")
+    return opener(offer.blob, storage)
+
+
+def drop_source(owner) -> None:
+    """Close and forget `owner.source` (a connection's), if it has one."""
+    source, owner.source = owner.source, None
+    if source is not None:
+        source.close()
+
+
+def encode_offsets(offsets: list[int]) -> bytes:
+    return np.asarray(offsets, dtype="<u8").tobytes()
+
+
+def land_pulled(session, source, data) -> None:
+    """Read every chunk of `session`'s manifest from `source` at the frame offsets in `data`, in
+    order, into the reserved blocks (`ImportSession.chunk_buffers`), each verified on landing
+    (FrameCountError / ChecksumError / MalformedMessage: the caller aborts the session)."""
+    m = session.manifest
+    if memoryview(data).nbytes != 8 * len(m.frames):
+        raise FrameCountError(f"{memoryview(data).nbytes // 8} pool offsets for {len(m.frames)} frames")
+    if m.checksum_mode != "manifest":
+        raise MalformedMessage("a pulled payload is verified against the manifest's checksums")
+    offsets = np.frombuffer(data, dtype="<u8").tolist()
+    while (nxt := session.next_chunk()) is not None:
+        f, c, nbytes = nxt
+        bufs = session.chunk_buffers(f, c)
+        source.read(offsets[f] + c * m.chunk_bytes, bufs)
+        session.chunk_done(f, c, nbytes, bufs)
+
+
+class ShmAdvert:
+    """Sender side of "shm": a pool in a /dev/shm file (`kvcache.shm_pool`)."""
+
+    way = "shm"
+
+    def __init__(self, storage):
+        self.storage = storage
+
+    def offer(self) -> PoolOffer:
+        return PoolOffer(self.way, self.storage.shm_path.encode())
+
+    def offsets(self, frames) -> list[int] | None:
+        """Each frame's byte offset in the pool, or None when one is not pool memory."""
+        out = [self.storage.shm_offset(f) for f in frames]
+        return None if None in out else out
+
+    def close(self) -> None:
+        pass
+
+
+class ShmSource:
+    """Receiver side of "shm": the sender's pool file mapped read-only (`ray_shm.PeerPool` checks it)."""
+
+    def __init__(self, blob: bytes, storage=None):
+        pool = open_peer_pool(blob.decode("utf-8", "replace"))
+        if pool is None:
+            raise MalformedMessage("the offered pool file cannot be opened here (another node?)")
+        self.map = pool.map
+
+    def read(self, offset: int, bufs) -> None:
+        n = sum(b.nbytes for b in bufs)
+        if offset + n > self.map.size:
+            raise MalformedMessage("a chunk lies outside the sender's pool")
+        view = memoryview(self.map[offset:offset + n])
+        pos = 0
+        for b in bufs:
+            b[:] = view[pos:pos + b.nbytes]
+            pos += b.nbytes
+
+    def close(self) -> None:
+        self.map = None
+
+
+def shm_advert(storage):
+    """The "shm" advert for a sender's pool, when it lives in /dev/shm (else None)."""
+    return ShmAdvert(storage) if getattr(storage, "shm_path", None) else None
+
+
+register_source("shm", ShmSource)
