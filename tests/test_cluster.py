@@ -4,7 +4,9 @@ transfer/) behind the HTTP API gives the same tokens as the in-process engine.
 One Ray and one cluster per transport for the whole module (started once, always torn down):
   zmq: 2 prefill + 2 decode workers, round robin, prefill blocks of 16 and decode blocks of 32
        (every migration is re-blocked);
-  ray: 1 prefill + 1 decode worker, prefill blocks of 16, decode blocks of 8 (re-blocked too).
+  ray: 1 prefill + 1 decode worker, prefill blocks of 16, decode blocks of 8 (re-blocked too);
+  nixl: 1 prefill + 1 decode worker, blocks of 16 on both (the decode worker reads the payload
+       from the prefill worker's pool with NIXL; skipped without nixl).
 Failures: tests/test_cluster_faults.py.
 """
 
@@ -32,11 +34,14 @@ CLUSTERS = {
                          num_blocks=256, routing="round_robin"),
     "ray": ClusterConfig(prefill=1, decode=1, transport="ray", block_size=16, decode_block_size=8,
                          num_blocks=256),
+    "nixl": ClusterConfig(prefill=1, decode=1, transport="nixl", block_size=16, num_blocks=256),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CLUSTERS))
 def cluster(request, ray_local):
+    if request.param == "nixl":  # NOTE: an optional dependency
+        pytest.importorskip("nixl")
     srv = ClusterServer(CLUSTERS[request.param])
     try:
         srv.start()

@@ -16,8 +16,11 @@ NIXL behaviours this code relies on or guards against (measured with nixl 1.5 on
   segments once the peer or network makes progress. So a READ that times out or fails leaves its
   local ranges *tainted* (`TransferTimeout.tainted`, `NixlAgent.tainted`): the caller must not hand
   those blocks to another sequence until `close()` has returned. `close()` destroys the agent's UCX
-  worker, which purges its outstanding requests: no late byte lands afterwards (a CUDA IPC copy
-  already queued on a copy engine still completes; an RDMA QP is destroyed with the worker).
+  worker, which purges its outstanding requests: no late byte lands afterwards (measured with a
+  stopped peer over TCP; not measured here: a CUDA IPC copy already queued on a copy engine still
+  completes, an RDMA QP goes with the worker). Closing with a READ outstanding can make the *peer's*
+  UCX abort when it resumes ("Fatal: unexpected error: Endpoint timeout", seen with the TCP-emulated
+  GET), so a stalled peer should be presumed lost.
 - `transfer()` may copy synchronously (CMA between processes on one host): the bound applies from
   the post, and a READ that completed inside the post is not failed for having taken long.
 - NIXL itself refuses descriptors outside the registrations it knows (`NIXL_ERR_NOT_FOUND`), but a
@@ -292,9 +295,10 @@ class NixlAgent:
         return name
 
     def forget(self, peer: str) -> None:
-        """Remove a peer (no-op when unknown): its connection is dropped and handles made for it die."""
-        agent = self._live()
-        if self._peers.pop(peer, None) is not None:
+        """Remove a peer (no-op when unknown or after close()): its connection is dropped and handles
+        made for it die."""
+        agent = self._agent
+        if agent is not None and self._peers.pop(peer, None) is not None:
             try:
                 agent.remove_remote_agent(peer)
             except Exception:  # already gone on nixl's side: nothing left to remove

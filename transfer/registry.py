@@ -90,3 +90,5 @@ register(Transport("zmq", "transfer.zmq_transport:make_sender", "transfer.zmq_tr
 register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
                    checksum_mode="manifest", engine_options={"kv_shm": True},
                    capabilities=Capabilities(same_node_pool=True), bench_names=("ray", "ray-store")))
+register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
+                   checksum_mode="manifest", bench_names=("nixl",)))
