@@ -23,6 +23,7 @@ the small points) and plots it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -41,9 +42,14 @@ from transfer.zmq_wire import DATA
 
 # zmq-tcp / zmq-ipc: ZeroMQ control + the raw data stream (the default data plane);
 # zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq");
+# zmq-shm: ZeroMQ control, the payload read by the receiver from the sender's /dev/shm pool
+#   (same node, transfer.pull); nixl: ZeroMQ control, the payload read by the receiver's NIXL agent
+#   from the sender's registered pool (transfer.nixl_channel; skipped without nixl);
 # ray: actor calls, the payload read from the sender's /dev/shm pool (same node, transfer.ray_shm);
 # ray-store: the same actor, the payload through the object store (what another node gets).
-TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "ray", "ray-store")
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "zmq-shm", "nixl", "ray", "ray-store")
+RAY = {"ray", "ray-store"}  # hosted by a Ray actor; every other one by the peer process (ZeroMQ control)
+PULLED = {"zmq-shm": "transfer.pull:ShmAdvert", "nixl": "transfer.nixl_channel:NixlAdvert"}  # -> its advert
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class _Receivers:
                  ray_store_bytes: int = 0, inline_bytes: int | None = None, device: str = "cpu"):
         self.peer, self.senders, self.actor = peer, {}, None
         fp = KVLayout(*layout_args).fingerprint()
-        if peer is not None and any(t.startswith("zmq") for t in transports):
+        if peer is not None and set(transports) - RAY:
             addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks, device=device,
                               address="tcp://127.0.0.1:0", more_addresses=[ipc_address()])["addresses"]
             from transfer.zmq_channel import ZmqSender
@@ -97,29 +103,42 @@ class _Receivers:
                     s = ZmqSender(fp, cfg)
                     s.connect()
                     self.senders[name] = s
-        if any(t.startswith("ray") for t in transports):
+            self.pulled = TransportConfig(address=addrs[0], chunk_bytes=chunk_bytes, checksum_mode="manifest")
+        if set(transports) & RAY:
             import ray
 
             from bench.ray_receiver import PoolReceiver
             from transfer.ray_channel import RaySender
 
             self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
-            for name in [t for t in transports if t.startswith("ray")]:  # pool: set per point (`use`)
+            for name in sorted(set(transports) & RAY):  # pool: set per point (`use`)
                 cfg = TransportConfig(chunk_bytes=chunk_bytes, checksum_mode="manifest", inline_bytes=0)
                 self.senders[name] = RaySender(fp, self.actor, cfg)
             _warm_object_store(self.actor, ray_store_bytes)
 
     def use(self, transport: str, src) -> None:
-        """Point the `ray` sender at this point's sender pool (its handshake maps the pool file)."""
+        """Point the `ray` sender at this point's sender pool (its handshake maps the pool file); a
+        pulled one (`PULLED`) offers this point's pool afresh."""
+        if transport in PULLED:
+            from transfer.registry import _load
+            from transfer.zmq_channel import ZmqSender
+
+            if transport in self.senders:
+                self.senders.pop(transport).close()
+            advert = _load(PULLED[transport])(src.storage)
+            fp = src.storage.layout.fingerprint()
+            s = self.senders[transport] = ZmqSender(fp, self.pulled, advert=advert)
+            s.connect()
+            assert s.channel.pull, "the receiver declined the pool"
         if transport == "ray":
             self.senders[transport].channel.pool = src.storage
-        if transport.startswith("ray"):
+        if transport in RAY:
             self.senders[transport].connect(timeout=120)
             assert self.senders[transport].channel.shm == (transport == "ray"), "same-node path not taken"
 
     def finish(self, transport: str, request_id: str) -> tuple[int | None, dict]:
         """Digest of the imported sequence on the receiver (then freed there)."""
-        if transport.startswith("ray"):
+        if transport in RAY:
             import ray
 
             digest = ray.get(self.actor.digest.remote(request_id), timeout=120)
@@ -129,9 +148,8 @@ class _Receivers:
         return (r["digest"] if r.get("ok") else None), r.get("timings", {})
 
     def close(self) -> None:
-        for name, s in self.senders.items():
-            if name.startswith("zmq"):
-                s.close()
+        for s in self.senders.values():
+            s.close()
         if self.actor is not None:
             import ray
 
@@ -156,7 +174,7 @@ def _measure(cfg: BenchConfig, recv: _Receivers, transport: str, src, digest: in
     """One point; appends each timed migration's spans to `timeline` (times from `origin`).
     Payloads up to 1 MiB get at least cfg.small_warmup warm-ups and cfg.small_repeats repeats."""
     sender = recv.senders[transport]
-    mode = "manifest" if transport.startswith("ray") else "inline"
+    mode = sender.config.checksum_mode  # Ray's and a pulled payload's checksums are in the manifest
     ecfg = ExportConfig(chunk_bytes=cfg.chunk_bytes, checksum_mode=mode)
     lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
     t = src.table("s")
@@ -242,7 +260,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     unknown = set(cfg.transports) - set(TRANSPORTS)
     if unknown:
         raise ValueError(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
-    if cfg.device != "cpu" and any(t.startswith("ray") for t in cfg.transports):
+    from transfer.nixl_pool import available
+
+    if "nixl" in cfg.transports and not available():
+        log("nixl is not installed: the nixl transport is skipped (pip install 'pdserve[nixl]')")
+        cfg = dataclasses.replace(cfg, transports=tuple(t for t in cfg.transports if t != "nixl"))
+    if cfg.device != "cpu" and set(cfg.transports) & RAY:
         raise ValueError("device pools are benchmarked over the zmq transports only "
                          "(--transports zmq-tcp,zmq-ipc)")
     from bench.machine import describe, summary
@@ -259,12 +282,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             f"{row['kv_shape']} T={row['tokens']} B={row['block_size']}: p50 {row['latency_ms_p50']:.2f} ms, "
             f"p99 {row['latency_ms_p99']:.2f} ms, {row['gb_per_s']:.2f} GB/s, verified={row['verified']}")
 
-    peer = PeerProcess() if any(t.startswith("zmq") for t in cfg.transports) or cfg.baselines else None
+    peer = PeerProcess() if set(cfg.transports) - RAY or cfg.baselines else None
     ray_started, results, store, base, timeline = False, [], 0, None, []
     origin = time.perf_counter()
     try:
         base = Baselines(peer, cfg.repeats, log, cfg.device) if cfg.baselines else None
-        if any(t.startswith("ray") for t in cfg.transports):
+        if set(cfg.transports) & RAY:
             import ray
 
             token_bytes = max(KVLayout(L, H, D, 1, dt).token_bytes for _, (L, H, D, dt) in shapes)

@@ -17,6 +17,7 @@ and an import is released the same way (its unshared blocks scrubbed, then freed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -57,6 +58,8 @@ class Peer:
                               socket_buffer_bytes=cmd.get("socket_buffer_bytes", 4 << 20),
                               idle_timeout_s=cmd.get("idle_timeout_s", 30.0))
         self.rx = ZmqReceiver(self.manager, cfg, metrics=self.metrics)
+        with contextlib.suppress(ImportError, RuntimeError):  # nixl pool offers are read once this is loaded
+            import transfer.nixl_channel  # noqa: F401
         return {"addresses": [self.rx.address] + [self.rx.bind(a) for a in cmd.get("more_addresses", [])]}
 
     def result(self, cmd: dict) -> dict:

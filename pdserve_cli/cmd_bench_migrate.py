@@ -26,7 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=_ints, help="comma-separated token counts (e.g. 256,1024,4096)")
     p.add_argument("--block-sizes", type=_ints, help="comma-separated block sizes (default 16)")
     p.add_argument("--transports",
-                   help="comma-separated: zmq-tcp,zmq-ipc,zmq-frames,ray,ray-store (default all)")
+                   help="comma-separated, of: zmq-tcp,zmq-ipc,zmq-frames,zmq-shm,nixl,ray,ray-store "
+                        "(default: all)")
     p.add_argument("--repeats", type=int,
                    help="timed transfers per point (default 4 in --quick, 5 otherwise; payloads up to "
                         "1 MiB get at least 30 unless given)")

@@ -33,8 +33,8 @@ def test_payload_is_read_from_the_senders_pool(dst_block):
     src, served, tx = _pair(dst_block=dst_block)
     try:
         tx.connect()
-        assert tx.channel.pull  # the receiver's agent loaded ours
         tx.migrate(src, "a", "r1", 1, dedupe=False)
+        assert tx.channel.pull  # the receiver's agent loaded ours (offered at the first transfer)
         result = served.next()
         assert result.request_id == "r1"
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))

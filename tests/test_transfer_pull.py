@@ -40,8 +40,8 @@ def test_same_node_pool_is_read_in_place(plane):
     tx = _sender(src, served.rx.address, data_plane=plane)
     try:
         tx.connect()
-        assert tx.channel.pull  # the receiver mapped our pool file
         ack = tx.migrate(src, "a", "r1", 1, dedupe=False)
+        assert tx.channel.pull  # the receiver mapped our pool file (offered at the first transfer)
         result = served.next()
         assert result.request_id == "r1" and ack.nbytes == result.nbytes > 0
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
@@ -64,8 +64,8 @@ def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_
     tx = ZmqSender(src.storage.layout.fingerprint(), cfg, advert=Elsewhere(src.storage))
     try:
         tx.connect()
-        assert not tx.channel.pull
         tx.migrate(src, "a", "r1", 1, dedupe=False)
+        assert not tx.channel.pull
         assert served.next().request_id == "r1"
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
     finally:
@@ -80,6 +80,9 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
     tx = _sender(src, served.rx.address, advert="shm" if offer else None)
     try:
         tx.connect()
+        if offer:
+            tx.channel._offer()  # what its first transfer would do
+            assert tx.channel.pull
         before = snapshot(served.manager)
         ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="manifest"))
         sock = tx.channel.sock

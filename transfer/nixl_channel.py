@@ -2,9 +2,10 @@
 
 Everything in the control plane is the ZeroMQ channel's (`zmq_channel`, `zmq_receiver`): signed
 hello, reservation, manifest, verify after landing, ack. What this file adds is a pool way for
-`transfer.pull`: after the hello the sender offers its whole KV pool, registered with a NIXL
-agent of its own (`NixlAdvert`: agent metadata plus the region); the receiver loads that agent
-into one of its own, which has registered the receiver's pool (`NixlSource`), and reads each
+`transfer.pull`: at its first transfer after the hello the sender offers its whole KV pool,
+registered with a NIXL agent of its own (`NixlAdvert`: agent metadata plus the region); the
+receiver loads that agent into one of its own, which has registered the receiver's pool
+(`NixlSource`), and reads each
 chunk of a transfer straight into the blocks it reserved, with one NIXL READ per chunk (local
 blocks outside its registered pool, e.g. a device pool's host staging slots, are read through a
 registered scratch buffer). The checksums in the manifest are verified on landing as for any
@@ -53,22 +54,25 @@ def _pool_tensor(storage) -> torch.Tensor:
 
 
 class NixlAdvert:
-    """Sender side: this worker's pool registered with its own agent, offered after the hello."""
+    """Sender side: this worker's pool registered with its own agent (made at the first offer)."""
 
     way = "nixl"
 
     def __init__(self, storage):
-        self.storage = storage
-        self.agent = NixlAgent(_name("sender"))
-        self.region = self.agent.register(_pool_tensor(storage))
+        self.storage, self.agent, self.region = storage, None, None  # the agent: at the first offer
 
     def offer(self) -> PoolOffer:
+        if self.agent is None:
+            self.agent = NixlAgent(_name("sender"))
+            self.region = self.agent.register(_pool_tensor(storage=self.storage))
         wire = {"meta": self.agent.metadata(), "region": self.region.to_wire()}
         blob = msgpack.packb(wire, use_bin_type=True)
         return PoolOffer(self.way, blob)
 
     def offsets(self, frames) -> list[int] | None:
         """Each frame's byte offset in the registered pool (host frames of a CPU pool), else None."""
+        if self.region is None:
+            return None
         out = []
         for f in frames:
             arr = np.frombuffer(f, dtype=np.uint8)
@@ -79,7 +83,8 @@ class NixlAdvert:
         return out
 
     def close(self) -> None:
-        self.agent.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 class NixlSource:

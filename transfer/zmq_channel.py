@@ -121,16 +121,23 @@ class ZmqChannel:
             at = ("tcp", self.where, reply.data_port) if self.scheme == "tcp" else ("ipc", reply.data_path)
             self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
         self.pull = False
-        if self.advert is not None:  # offered once per handshake; declined: payloads are pushed
-            deadline = time.monotonic() + self.config.connect_timeout_s
-            answer = decode(self.request("pool", encode(self.advert.offer()), deadline), self.config.limits,
-                            (PoolReply, Nack))
-            self.pull = isinstance(answer, PoolReply) and answer.accepted
+        self.offered = self.advert is None  # the pool is offered at the first whole transfer
+
+    def _offer(self) -> None:
+        """Offer our pool (once per handshake, at the first whole transfer, so a way that is slow
+        to set up, e.g. a NIXL agent, costs the handshake nothing); declined: bytes are pushed."""
+        self.offered = True
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        answer = decode(self.request("pool", encode(self.advert.offer()), deadline), self.config.limits,
+                        (PoolReply, Nack))
+        self.pull = isinstance(answer, PoolReply) and answer.accepted
 
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> _Transfer:
         if streamed and self.stream is None:
             raise HandshakeRequired("a streamed migration needs the receiver's data stream")
+        if not self.offered and not streamed:
+            self._offer()
         if self.pull and not streamed and frames is not None and manifest.checksum_mode == "manifest":
             offsets = self.advert.offsets(frames)
             if offsets is not None:  # every frame is pool memory: the receiver reads it there
