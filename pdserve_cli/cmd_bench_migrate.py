@@ -6,7 +6,7 @@ and the migration timeline as a Chrome trace (`--trace`, opens in Perfetto)."""
 from __future__ import annotations
 
 NAME = "migrate"
-HELP = "benchmark KV migration between pools (zmq-tcp, zmq-ipc, zmq-frames, ray) against baselines"
+HELP = "benchmark KV migration between pools (every transport and variant) against baselines"
 GROUP = "bench"
 
 

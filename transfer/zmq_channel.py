@@ -47,6 +47,7 @@ class ZmqChannel:
 
         self.config, self.metrics = config, metrics or DEFAULT_METRICS
         self.advert, self.pull = advert, False  # pull: the receiver reads our pool (it accepted the offer)
+        self.offered = advert is None  # the pool was offered since the last handshake
         self.ctx = zmq.Context(io_threads=config.io_threads)
         self.sock = None
         self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one

@@ -10,10 +10,6 @@ sender's). Owner's thread only.
 
 from __future__ import annotations
 
-import contextlib
-
-import zmq
-
 from transfer.admission import refused
 from transfer.codec import decode
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
@@ -26,8 +22,8 @@ from transfer.zmq_wire import TOKEN
 
 
 class HandshakeMixin:
-    """Needs from the host class: config, fingerprint, admission, manager, streams, peers, idle,
-    _nonces, _send, _refuse."""
+    """Needs from the host class: parts (the message being read), config, fingerprint, admission,
+    manager, streams, peers, idle, _nonces, _send, _refuse."""
 
     def _turn_away(self, ident: bytes, header: bytes, err: TransferError) -> None:
         """Refuse an unauthenticated peer: counted by reason, logged at a bounded rate, nacked."""
@@ -36,21 +32,20 @@ class HandshakeMixin:
         self._send(ident, header, Nack("", 0, err.code, str(err)[:200]))
         return None
 
-    def _stranger(self, ident: bytes, peer, first, frame) -> None:
+    def _stranger(self, ident: bytes, peer, frame) -> None:
         """A message from a peer without a completed handshake: a hello is checked (`_hello`),
         anything else is refused unread. Nothing raised here leaves `poll`."""
-        with contextlib.suppress(zmq.ZMQError):
-            peer.fd = first.get(zmq.SRCFD)  # its connection: trusted once the hello passes (zmq_peers)
+        parts = self.parts
         try:
             header = frame.bytes
-            if header != b"H" or not self._more():
-                self._drain()  # answered under the header the sender waits on (q, A+token), else N
+            if header != b"H" or not parts.more():
+                parts.drain()  # answered under the header the sender waits on (q, A+token), else N
                 reply = {b"Q": b"q", b"U": b"u"}.get(header, b"N")
                 if len(header) == TOKEN.size and header[:1] in b"MSOEFP":
                     reply = TOKEN.pack(b"A", TOKEN.unpack(header)[1])
                 return self._turn_away(ident, reply, HandshakeRequired("no completed handshake"))
-            body = self.sock.recv(copy=False)
-            if self._drain():
+            body = parts.next()
+            if parts.drain():
                 raise MalformedMessage("hello with extra parts")
         except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
             return self._turn_away(ident, b"h", as_refusal(e))
@@ -69,7 +64,8 @@ class HandshakeMixin:
             self._refuse(ident, b"h", e)
         peer.plan, peer.name = plan, hello.peer
         self.peers.trust(ident, peer)
-        self.idle.trusted(peer.fd)
+        if self.idle is not None:
+            self.idle.trusted(peer.fd)
         reply = HelloReply(self.fingerprint, self.config.peer_name)
         st = self.streams
         if st is not None and (hello.stream == "tcp" or (hello.stream == "ipc" and st.path)):

@@ -22,7 +22,8 @@ from transfer.zmq_wire import TOKEN
 
 
 class PayloadMixin:
-    """Needs from the host class: sock, streams, active, metrics, config, _fail, _send, _drain."""
+    """Needs from the host class: parts (the message being read), streams, active, metrics, config,
+    _fail, _send."""
 
     def abort_request(self, request_id: str) -> int:
         """End the transfers of request `request_id` still in flight (transfer ids are
@@ -107,23 +108,23 @@ class PayloadMixin:
         return self._end(ident, peer, token)
 
     def _chunk(self, ident: bytes, peer, f: int, c: int, cs: int) -> None:
-        s, sock, t0 = peer.session, self.sock, time.perf_counter()
+        s, parts, t0 = peer.session, self.parts, time.perf_counter()
         try:
             bufs = s.chunk_buffers(f, c)
         except TransferError as e:
-            self._drain()
+            parts.drain()
             return self._fail(ident, peer, e)
         if len(bufs) == 1:
-            n = sock.recv_into(bufs[0])
+            n = parts.into(bufs[0])
         else:
-            buf = sock.recv(copy=False).buffer
+            buf = parts.next().buffer
             n = buf.nbytes
             if n == sum(b.nbytes for b in bufs):
                 pos = 0
                 for b in bufs:
                     b[:] = buf[pos:pos + b.nbytes]
                     pos += b.nbytes
-        if self._drain():
+        if parts.drain():
             return self._fail(ident, peer, MalformedMessage("data message with extra parts"))
         t1 = time.perf_counter()
         try:

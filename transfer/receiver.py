@@ -1,0 +1,238 @@
+"""The receiving half of the KV migration protocol, written once for every channel.
+
+A `MessageReceiver` holds what the protocol needs: the connections (`zmq_peers.PeerTable`: each
+sender's handshake, its transfer in progress, its offered pool), the hello and the dedupe
+query (`zmq_handshake`), admission and the import session opened by a manifest, payload chunks,
+a streamed transfer's final state, the commit and its ack, cancel, expiry, abort and supersede
+by a newer epoch (`zmq_payload`), and the in-flight listing. It reads one message at a time as
+`Parts` (header, body, or a chunk's bytes, in the wire format of `transfer.zmq_wire`) and answers
+through `_deliver(connection, header, body)`. A channel's receiver is only how messages arrive
+and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the raw data stream's reader
+threads) and `ray_transport.RayReceiverEndpoint` (a Ray actor's calls). Every failure is a typed
+error: nacked, counted once, and the pool left as it was. The owner's thread only.
+"""
+
+from __future__ import annotations
+
+import time
+
+from transfer.admission import OPEN, refused
+from transfer.codec import decode, encode, unseal
+from transfer.epochs import EpochGuard
+from transfer.errors import (
+    FrameCountError,
+    HandshakeRequired,
+    MalformedMessage,
+    TransferError,
+    TransferTimeout,
+)
+from transfer.importer import ImportResult, ImportSession
+from transfer.messages import Manifest, Nack
+from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.pull import drop_source
+from transfer.refusals import Refusals
+from transfer.transport import TransportConfig
+from transfer.zmq_handshake import HandshakeMixin
+from transfer.zmq_payload import PayloadMixin
+from transfer.zmq_peers import Peer, PeerTable
+from transfer.zmq_wire import DATA, TOKEN
+
+
+class Part:
+    """One message part held in memory (`ListParts`), read like a ZeroMQ frame."""
+
+    def __init__(self, data):
+        self.buffer = memoryview(data).cast("B")
+
+    def __len__(self) -> int:
+        return self.buffer.nbytes
+
+    @property
+    def bytes(self) -> bytes:
+        return self.buffer.tobytes()
+
+
+class ListParts:
+    """The parts of one message that arrived whole (a Ray call's), in order."""
+
+    def __init__(self, parts):
+        self.parts, self.i = list(parts), 0
+
+    def more(self) -> bool:
+        return self.i < len(self.parts)
+
+    def next(self) -> Part:
+        self.i += 1
+        return Part(self.parts[self.i - 1])
+
+    def drain(self) -> int:
+        n, self.i = len(self.parts) - self.i, len(self.parts)
+        return n
+
+    def into(self, buf) -> int:
+        """Copy the next part into `buf` (truncated to it); the part's size."""
+        part = self.next().buffer
+        n = min(part.nbytes, buf.nbytes)
+        buf[:n] = part[:n]
+        return part.nbytes
+
+
+class MessageReceiver(HandshakeMixin, PayloadMixin):
+    """The protocol state of one receiver; subclasses move the messages."""
+
+    streams = None  # the raw data stream's listener (ZeroMQ only)
+    idle = None     # unauthenticated connections closed after preauth_s (ZeroMQ only)
+
+    def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
+                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
+        config = config or TransportConfig()
+        self.manager, self.config, self.stage, self.admission = manager, config, stage, admission
+        self.epochs, self.metrics = epochs if epochs is not None else EpochGuard(), metrics or DEFAULT_METRICS
+        self.active: dict[bytes, Peer] = {}  # the peers with a transfer in progress
+        self.peers = PeerTable(self.active, config.preauth_s)
+        self.refusals = Refusals(self.metrics, config.peer_name or config.address)
+        self.fingerprint = manager.storage.layout.fingerprint()
+        self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
+
+    # ---- what a channel's receiver provides -------------------------------------------------------
+    def _deliver(self, ident: bytes, header: bytes, body: bytes) -> None:
+        raise NotImplementedError
+
+    # ---- transfer.channel.ReceiverEndpoint --------------------------------------------------------
+    def in_flight(self) -> dict[str, list[int]]:
+        """Transfer id -> receiver blocks reserved by an import still landing (not yet committed)."""
+        return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.active.values()}
+
+    def _forget_all(self) -> None:
+        """Every transfer ended (blocks returned) and every offered pool closed: the receiver stops."""
+        for p in self.peers.values():
+            if p.landing is not None:  # NOTE: its reader stops before the blocks are freed
+                self.streams.cancel(p.landing)
+                p.landing = None
+            if p.session is not None:
+                p.session.abort()
+                p.session = None
+            drop_source(p)
+
+    # ---- answers ----------------------------------------------------------------------------------
+    def _send(self, ident: bytes, header: bytes, msg) -> None:
+        self._deliver(ident, header, encode(msg))
+
+    def _fail(self, ident: bytes, peer: Peer, err: TransferError, counted: bool = False):
+        """Abort the peer's transfer (if any), nack it, count the error once, and raise it."""
+        s, peer.session = peer.session, None
+        if peer.landing is not None:  # NOTE: its reader stops before the blocks are freed
+            self.streams.cancel(peer.landing)
+            peer.landing = None
+        if s is not None:
+            s.abort(err)  # counts unless the session already counted a failure
+            self._send(ident, TOKEN.pack(b"A", peer.token), Nack(s.manifest.request_id, s.manifest.epoch,
+                                                                 err.code, str(err)))
+        elif not counted:
+            self.metrics.record_error(err)
+        raise err
+
+    def _refuse(self, ident: bytes, header: bytes, err: TransferError, counted: bool = False):
+        if not counted:
+            self.metrics.record_error(err)
+        self._send(ident, header, Nack("", 0, err.code, str(err)))
+        raise err
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for ident, p in list(self.active.items()):
+            session, cfg = p.session, self.config
+            silent, age = now - session.last_activity, now - session.started
+            if silent > cfg.idle_timeout_s or age > cfg.max_transfer_s:
+                why = f"silent for {silent:.1f}s" if silent > cfg.idle_timeout_s else f"running {age:.1f}s"
+                self._fail(ident, p, TransferTimeout(f"request {session.manifest.request_id!r}: {why}"))
+
+    def _dispatch(self, ident: bytes, peer: Peer, parts) -> ImportResult | None:
+        """One message from connection `ident`, its parts after the identity (`parts`: the
+        channel's reader: ZeroMQ frames, or a Ray call's arguments)."""
+        self.parts = parts
+        if not parts.more():
+            return None
+        frame = parts.next()
+        if peer.plan is None and peer.session is None:  # NOTE: nothing but a hello is read before one
+            return self._stranger(ident, peer, frame)
+        if len(frame) > 64:
+            parts.drain()
+            return self._garbled(ident, peer, MalformedMessage(f"header of {len(frame)} bytes"))
+        header = frame.bytes
+        if not parts.more():
+            return self._garbled(ident, peer, MalformedMessage("message without a body"))
+        kind = header[:1]
+        if kind == b"D":
+            if len(header) != DATA.size:
+                parts.drain()
+                return self._garbled(ident, peer, MalformedMessage("bad data header"))
+            _, token, f, c, cs = DATA.unpack(header)
+            if peer.session is None or token != peer.token or peer.landing is not None:
+                parts.drain()
+                self.metrics.add("stray_chunks")
+                return None
+            return self._chunk(ident, peer, f, c, cs)
+        body = parts.next().buffer
+        if parts.drain():
+            return self._garbled(ident, peer, MalformedMessage("message with extra parts"))
+        if kind == b"H" and len(header) == 1:
+            return self._hello(ident, peer, body)
+        if kind in (b"Q", b"U") and len(header) == 1:
+            return (self._query if kind == b"Q" else self._pool)(ident, peer, body)
+        if kind in (b"M", b"S", b"O", b"E", b"F", b"P") and len(header) == TOKEN.size:
+            token = TOKEN.unpack(header)[1]
+            if kind in (b"E", b"P"):
+                return self._end(ident, peer, token) if kind == b"E" else self._pull(ident, peer, token, body)
+            if kind == b"F":
+                return self._final(ident, peer, token, body)
+            if kind == b"M" or self.streams is None:
+                return self._manifest(ident, peer, token, body, streamed=kind != b"M")
+            try:
+                self._manifest(ident, peer, token, body, streamed=True)
+                peer.awaits_final = kind == b"O"  # offered before its prompt finished computing
+                return None
+            except TransferError:
+                self.streams.refuse(ident, token)  # its payload, already on the way, is not awaited
+                raise
+        return self._garbled(ident, peer, MalformedMessage(f"unknown message header {bytes(header[:16])!r}"))
+
+    def _garbled(self, ident: bytes, peer: Peer, err: TransferError):
+        if peer.session is not None:
+            return self._fail(ident, peer, err)
+        return self._refuse(ident, b"N", err)
+
+    def _manifest(self, ident: bytes, peer: Peer, token: int, body, streamed: bool = False) -> None:
+        header = TOKEN.pack(b"A", token)
+        if token == peer.token:  # a duplicated manifest: served, refused or being served already
+            self.metrics.add("duplicate_manifests")
+            return None
+        if peer.session is not None:  # the previous transfer never ended: abandon it, keep serving
+            try:
+                self._fail(ident, peer, FrameCountError("new manifest before the previous transfer ended"))
+            except TransferError:
+                pass
+        peer.token = token  # a repeat of this manifest is a duplicate from now on, refused or not
+        if peer.plan is None:  # NOTE: refused unread
+            return self._refuse(ident, header, HandshakeRequired("manifest before a completed handshake"))
+        try:
+            m = decode(unseal(body), self.config.limits, Manifest)
+        except TransferError as e:
+            return self._refuse(ident, header, e)
+        if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
+            return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
+        self._supersede(m)
+        if streamed and self.streams is None:
+            return self._refuse(ident, header, MalformedMessage("no data stream here"))
+        try:
+            session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
+                                    stage=self.stage, make_room=getattr(self.admission, "make_room", None),
+                                    local_dedupe_bytes=self.config.inline_bytes)
+        except TransferError as e:
+            self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
+            raise
+        peer.session, peer.token, peer.t0 = session, token, time.perf_counter()
+        peer.final, peer.awaits_final, peer.landed = None, False, False
+        if streamed:
+            peer.landing = self.streams.expect(ident, token, session)
+        return None
