@@ -165,8 +165,8 @@ def forged_import(t: Target) -> dict:
     from transfer.errors import TransferError
     from transfer.messages import DecodeState
     from transfer.reblock import check_compatible
+    from transfer.registry import get as get_transport
     from transfer.transport import TransportConfig
-    from transfer.zmq_transport import ZmqSender
 
     fp = t.fingerprint
     layout = KVLayout(fp["num_layers"], fp["num_kv_heads"], fp["head_dim"], fp["block_size"], fp["dtype"],
@@ -176,9 +176,13 @@ def forged_import(t: Target) -> dict:
     fill_random_sequence(manager, "forged", len(tokens), torch.Generator().manual_seed(7), tokens)
     dw = live(cluster_info(t.port), "decode")[0]
     refused, breaches = [], 0
+    cluster = t.server.backend  # the coordinator in this process: its transport and Ray namespace
+    transport = get_transport(cluster.config.transport)
     for step in ("handshake", "manifest_without_handshake"):
-        sender = ZmqSender(layout.fingerprint(), TransportConfig(address=dw["address"], peer_name="prefill-0",
-                                                                 connect_timeout_s=5, transfer_timeout_s=5))
+        config = TransportConfig(address=dw["address"], peer_name="prefill-0", connect_timeout_s=5,
+                                 transfer_timeout_s=5, checksum_mode=transport.checksum_mode)
+        sender = transport.make_sender(layout.fingerprint(), config, receiver=dw["name"],
+                                       namespace=cluster.namespace, pool=manager.storage)
         try:
             if step == "handshake":
                 sender.connect()

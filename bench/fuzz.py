@@ -33,7 +33,7 @@ from bench.fuzz_checks import FuzzChecks
 from bench.fuzz_lanes import Hang, Lane, _run_stream_ops, _tokens_opened, reply_code  # noqa: F401
 from bench.fuzz_receiver import RX_BLOCK, RX_NAME, SHAPE, Receiver, receiver_main  # noqa: F401
 from bench.fuzz_templates import make_templates
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class Fuzzer(FuzzChecks):
         from transfer.codec import encode, seal
         from transfer.export import export_sequence
         from transfer.messages import Query
-        from transfer.zmq_wire import DATA
+        from transfer.wire import DATA
 
         t = case.template
         lane.sock.send_multipart([b"Q", encode(Query(case.request_id, RX_BLOCK, tuple(t.hashes)))])

@@ -14,7 +14,7 @@ import msgpack
 
 from transfer.codec import seal
 from transfer.stream_wire import CHUNK, END, XFER, XFER_MAGIC
-from transfer.zmq_wire import DATA, TOKEN
+from transfer.wire import DATA, TOKEN
 
 INTS = [-1, 0, 1, 2, 3, 7, 15, 16, 17, 4095, 4096, 4097, 1 << 12, (1 << 12) + 1, 1 << 21, (1 << 21) + 1,
         1 << 24, (1 << 24) + 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 1 << 40, (1 << 40) + 1, 2**63 - 1,

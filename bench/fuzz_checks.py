@@ -12,7 +12,7 @@ import time
 from collections import Counter
 
 from bench.fuzz_lanes import Hang, Lane, reply_code
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 class FuzzChecks:

@@ -13,7 +13,7 @@ import time
 
 import msgpack
 
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 def reply_code(body: bytes) -> str:

@@ -10,7 +10,7 @@ import msgpack
 
 from bench.fuzz_cases import Case, manifest_body, mutate_bytes, mutate_wire, stream_bytes, transfer_msgs
 from transfer.codec import seal
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 def gen_valid_zmq(rng, t, token, rid):

@@ -15,7 +15,7 @@ import msgpack
 from bench.fuzz_cases import Case, _d, mutate_bytes, mutate_wire, transfer_msgs
 from transfer.checksum import checksum
 from transfer.stream_wire import END
-from transfer.zmq_wire import DATA, TOKEN
+from transfer.wire import DATA, TOKEN
 
 
 def gen_header(rng, t, token, rid):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from bench.fuzz_cases import Case, manifest_body, mutate_bytes, stream_bytes, transfer_msgs
 from transfer.codec import seal
 from transfer.stream_wire import XFER, XFER_MAGIC
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 def gen_stream(rng, t, token, rid):

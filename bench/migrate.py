@@ -38,14 +38,14 @@ from kvcache.storage import KVLayout
 from transfer.codec import encode
 from transfer.export import ExportConfig, export_sequence
 from transfer.transport import TransportConfig, ipc_address
-from transfer.zmq_wire import DATA
+from transfer.wire import DATA
 
 # zmq-tcp / zmq-ipc: ZeroMQ control + the raw data stream (the default data plane);
 # zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq");
 # zmq-shm: ZeroMQ control, the payload read by the receiver from the sender's /dev/shm pool
 #   (same node, transfer.pull); nixl: ZeroMQ control, the payload read by the receiver's NIXL agent
 #   from the sender's registered pool (transfer.nixl_channel; skipped without nixl);
-# ray: actor calls, the payload read from the sender's /dev/shm pool (same node, transfer.ray_shm);
+# ray: actor calls, the payload read from the sender's /dev/shm pool (same node, transfer.pull);
 # ray-store: the same actor, the payload through the object store (what another node gets).
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "zmq-shm", "nixl", "ray", "ray-store")
 RAY = {"ray", "ray-store"}  # hosted by a Ray actor; every other one by the peer process (ZeroMQ control)
@@ -111,30 +111,32 @@ class _Receivers:
             from transfer.ray_channel import RaySender
 
             self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
-            for name in sorted(set(transports) & RAY):  # pool: set per point (`use`)
-                cfg = TransportConfig(chunk_bytes=chunk_bytes, checksum_mode="manifest", inline_bytes=0)
-                self.senders[name] = RaySender(fp, self.actor, cfg)
+            # the senders are made per point (`use`): the same-node one offers that point's pool
+            self.ray_config = TransportConfig(chunk_bytes=chunk_bytes, inline_bytes=0)  # manifest checksums
+            self.ray_sender = RaySender
             _warm_object_store(self.actor, ray_store_bytes)
 
     def use(self, transport: str, src) -> None:
-        """Point the `ray` sender at this point's sender pool (its handshake maps the pool file); a
-        pulled one (`PULLED`) offers this point's pool afresh."""
-        if transport in PULLED:
-            from transfer.registry import _load
-            from transfer.zmq_channel import ZmqSender
+        """A sender whose pool is read by the receiver (`PULLED`, and `ray` on one node) offers this
+        point's pool afresh; `ray-store` pushes (what another node gets)."""
+        if transport not in PULLED and transport not in RAY:
+            return
+        from transfer.registry import _load
+        from transfer.zmq_channel import ZmqSender
 
-            if transport in self.senders:
-                self.senders.pop(transport).close()
-            advert = _load(PULLED[transport])(src.storage)
-            fp = src.storage.layout.fingerprint()
-            s = self.senders[transport] = ZmqSender(fp, self.pulled, advert=advert)
-            s.connect()
-            assert s.channel.pull, "the receiver declined the pool"
-        if transport == "ray":
-            self.senders[transport].channel.pool = src.storage
+        if transport in self.senders:
+            self.senders.pop(transport).close()
+        fp = src.storage.layout.fingerprint()
         if transport in RAY:
-            self.senders[transport].connect(timeout=120)
-            assert self.senders[transport].channel.shm == (transport == "ray"), "same-node path not taken"
+            pool = src.storage if transport == "ray" else None
+            s = self.senders[transport] = self.ray_sender(fp, self.actor, self.ray_config, pool=pool)
+        else:
+            advert = _load(PULLED[transport])(src.storage)
+            s = self.senders[transport] = ZmqSender(fp, self.pulled, advert=advert)
+        s.connect(timeout=120)
+        if s.channel.advert is not None:
+            s.channel.offer_pool()
+        assert s.channel.pull == (transport != "ray-store"), "the receiver declined the pool"
 
     def finish(self, transport: str, request_id: str) -> tuple[int | None, dict]:
         """Digest of the imported sequence on the receiver (then freed there)."""

@@ -1,7 +1,7 @@
 """A Ray actor body that receives KV migrations into its own synthetic pool, for the migration
 benchmark and the Ray transport tests: `ray.remote(PoolReceiver).remote(layout_args,
-num_blocks)`. It is the runtime's `RayReceiverEndpoint` (so its channel calls, `kv(call, conn,
-*args)`, are answered exactly as a decode worker answers them) over a pool from
+num_blocks)`. It is the runtime's `RayReceiverEndpoint` (so its channel calls, `kv(conn,
+headers, *bodies)`, are answered exactly as a decode worker answers them) over a pool from
 `bench.pools`, plus a few calls the benchmark and tests need: the canonical digest of an
 imported sequence, freeing it (scrubbed, so a later transfer must rewrite the blocks, and
 uncached), warming the object store's mappings, and pool statistics.
@@ -9,8 +9,11 @@ uncached), warming the object store's mappings, and pool statistics.
 
 from __future__ import annotations
 
+import contextlib
+
 from bench.pools import kv_digest, make_manager, scrub_blocks
 from kvcache.storage import KVLayout
+from transfer.errors import TransferError
 from transfer.metrics import TransferMetrics
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig
@@ -35,12 +38,18 @@ class PoolReceiver(RayReceiverEndpoint):
         super().__init__(manager, config, metrics=TransferMetrics())
         self.last_timings: dict = {}
 
-    def handle(self, call: str, conn: str, args: tuple):
-        """The endpoint's call; also keeps the timings of the last committed import."""
-        reply, result = super().handle(call, conn, args)
-        if result is not None:
+    def kv(self, conn: str, headers: bytes, *bodies) -> bytes:
+        """The endpoint's call, served on this actor's thread: an import it commits stays in the pool
+        (the caller frees it with `free`); keeps the timings of the last one. Transfers gone silent
+        are ended on each call."""
+        reply = self.handle(conn, headers, bodies)
+        for result in self._committed:
             self.last_timings = dict(result.timings)
-        return reply, result
+        self._committed.clear()
+        self._failed.clear()  # nacked already: the sender has the error
+        with contextlib.suppress(TransferError):
+            self._expire()
+        return reply
 
     def digest(self, seq_id) -> int:
         return kv_digest(self.manager, seq_id)

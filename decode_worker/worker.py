@@ -1,9 +1,9 @@
 """The decode worker's Ray actor: the worker runtime with the decode role handler.
 
-Besides the runtime's typed `command` entry point it has one method for the KV channels that
-arrive as Ray calls (`transfer.ray_channel`): `kv(call, conn, *args)` delivers the call to the KV
-receiver, whose poll on the loop thread answers it (every pool call happens there), the same
-receive path every channel takes. Tokens, imports and refusals reach the coordinator in the
+Besides the runtime's typed `command` entry point it has one method for the KV channel that
+arrives as Ray calls (`transfer.ray_channel`): `kv(conn, headers, *bodies)` delivers the call's
+messages to the KV receiver, whose poll on the loop thread serves them (every pool call happens
+there), the same receive path every channel takes. Tokens, imports and refusals reach the coordinator in the
 runtime's `WorkerReport`s.
 """
 
@@ -26,9 +26,9 @@ class DecodeWorker(WorkerActor):
         # NOTE: the pool is built before the handler; nothing allocates until the handler exists
         return {"held_back": lambda: self.handler.held_back()}
 
-    def kv(self, call: str, conn: str, *args) -> bytes:
+    def kv(self, conn: str, headers: bytes, *bodies) -> bytes:
         """A KV channel call (Ray channel), answered by the receiver on the loop thread (bounded)."""
         deliver = getattr(self.handler.receiver, "deliver", None)
         if deliver is None:
             raise RuntimeError(f"this decode worker's KV receiver ({self.config.transport}) takes no calls")
-        return deliver(call, conn, args).result(timeout=self.config.call_timeout_s)
+        return deliver(conn, headers, bodies).result(timeout=self.config.call_timeout_s)

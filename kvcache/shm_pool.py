@@ -1,7 +1,7 @@
 """Pool memory that another process on the same machine can read: a file in /dev/shm mapped
 MAP_SHARED. A prefill worker on the Ray transport keeps its KV pool here, so a decode worker on
 the same node copies a migrated sequence's blocks straight out of it (one copy, no object store:
-`transfer.ray_shm`). The file is named `pdserve-kv-<pid>-<random>`, readable by its owner only,
+`transfer.pull`). The file is named `pdserve-kv-<pid>-<random>`, readable by its owner only,
 and unlinked when the tensor is garbage-collected or the process exits; files left by a killed
 process (whose pid is gone) are removed by the next allocation on the machine.
 """

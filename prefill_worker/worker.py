@@ -20,5 +20,5 @@ class PrefillWorker(WorkerActor):
         return PrefillHandler(config, engine)
 
     def engine_options(self) -> dict:
-        # e.g. the Ray transport reads a same-node migration straight from a /dev/shm pool (transfer.ray_shm)
+        # e.g. the Ray transport reads a same-node migration straight from a /dev/shm pool (transfer.pull)
         return dict(get_transport(self.config.transport).engine_options)

@@ -16,8 +16,8 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.messages import PoolOffer
 from transfer.pull import ShmAdvert, encode_offsets
 from transfer.transport import TransportConfig
+from transfer.wire import TOKEN
 from transfer.zmq_channel import ZmqSender
-from transfer.zmq_wire import TOKEN
 
 LAYOUT = KVLayout(block_size=16, **SHAPE)
 
@@ -81,7 +81,7 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
     try:
         tx.connect()
         if offer:
-            tx.channel._offer()  # what its first transfer would do
+            tx.channel.offer_pool()  # what its first transfer would do
             assert tx.channel.pull
         before = snapshot(served.manager)
         ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="manifest"))

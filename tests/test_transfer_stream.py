@@ -21,8 +21,8 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.messages import Hello
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.transport import TransportConfig, ipc_address
+from transfer.wire import TOKEN
 from transfer.zmq_transport import ZmqSender
-from transfer.zmq_wire import TOKEN
 
 
 @pytest.fixture

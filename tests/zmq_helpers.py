@@ -1,4 +1,4 @@
-"""Helpers shared by the ZeroMQ transport tests (test_transfer_zmq.py, test_transfer_zmq_wire.py):
+"""Helpers shared by the ZeroMQ transport tests (test_transfer_zmq.py, test_transfer_wire.py):
 small synthetic pools of one KV shape, a sequence's computed K/V read back as bytes, a snapshot
 of a pool's allocator state for "pool unchanged" checks, and `Served`, a ZmqReceiver polled on a
 background thread."""

@@ -10,19 +10,23 @@ and re-blocked (`reblock`) for senders that did not), staged through pinned host
 device pools (`staging`), with duplicate prefix blocks shared rather than sent (`blocks`), stale
 epochs refused (`epochs`) and sender blocks leased until the ack (`lease`). Payloads under
 `TransportConfig.inline_bytes` make one round trip: no dedupe query, the receiver shares what it
-caches. Two transports follow one contract (`transport`, `channel`), found by name in `registry`:
-ZeroMQ control over tcp/ipc (`zmq_sender`, `zmq_receiver`, `zmq_payload`, `zmq_handshake`,
-`zmq_wire`) with the payload on a raw TCP/Unix data stream (`stream_wire`, `stream_sender`,
-`stream_receiver`) or in ZeroMQ frames, and Ray (`ray_transport`). A streamed migration offers a
-sequence while its prompt is still being computed (`stream_export`; over Ray: `ray_stream`,
-`ray_stream_receiver`). `faults` injects the chaos benchmark's transfer faults on the sending
-side. Every failure is a typed `errors.TransferError`, counted in `metrics`, and leaves the
-receiver's pool unchanged. The migration benchmark (`pdserve bench migrate`) and its synthetic
-pools live in the top-level `bench` package, which nothing here imports.
+caches. The protocol is written once on each side: `session.SenderSession` sends (hello, query,
+and one transfer loop where a whole migration is a one-item feed, streamed migrations offered
+while the prompt computes: `stream_export`), `receiver.MessageReceiver` receives (with
+`receiver_hello` and `receiver_transfers`), over messages of one wire format (`wire`). A
+transport is only a channel that moves them (`channel` states the contract; `registry` finds a
+transport by name): ZeroMQ (`zmq_channel`, `zmq_receiver`, with the payload on a raw TCP/Unix
+data stream: `stream_wire`, `stream_sender`, `stream_receiver`), Ray actor calls (`ray_channel`,
+`ray_transport`), and NIXL (`nixl_channel`, `nixl_pool`: ZeroMQ control, the payload read
+one-sided from the sender's registered pool). A receiver may read a payload from the sender's
+own pool instead of the wire (`pull`: a same-node /dev/shm pool, or NIXL). `faults` injects the
+chaos benchmark's transfer faults, applied by the session. Every failure is a typed
+`errors.TransferError`, counted in `metrics`, and leaves the receiver's pool unchanged. The
+migration benchmark (`pdserve bench migrate`) and its synthetic pools live in the top-level
+`bench` package, which nothing here imports.
 
 Entry points for workers: `export_sequence` / `import_sequence` (in process), `ImportSession`
-(driven chunk by chunk), `ZmqSender.migrate` / `ZmqReceiver.poll`, `RaySender.migrate` /
-`RayReceiverEndpoint`.
+(driven chunk by chunk), `registry.get(name).make_sender(...)` / `.make_receiver(...)`.
 """
 
 from importlib import import_module
@@ -34,7 +38,7 @@ _EXPORTS = {"TransferError": "transfer.errors", "ExportConfig": "transfer.export
             "ImportResult": "transfer.importer", "ImportSession": "transfer.importer",
             "import_sequence": "transfer.importer", "PROTOCOL_VERSION": "transfer.messages",
             "DecodeState": "transfer.messages", "Manifest": "transfer.messages", "Limits": "transfer.schema",
-            "TransportConfig": "transfer.transport", "migrate": "transfer.transport"}
+            "TransportConfig": "transfer.transport"}
 __all__ = list(_EXPORTS)
 
 

@@ -16,11 +16,14 @@ what the sender offered: an offset outside it is a MalformedMessage, never a rea
 
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 
+from kvcache.shm_pool import PREFIX, SHM_DIR
 from transfer.errors import FrameCountError, MalformedMessage
 from transfer.messages import PoolOffer
-from transfer.ray_shm import open_peer_pool
 
 SOURCES: dict = {}  # way -> opener(blob: bytes, storage) -> a source with read(offset, bufs) and close()
 
@@ -66,6 +69,31 @@ def land_pulled(session, source, data) -> None:
         session.chunk_done(f, c, nbytes, bufs)
 
 
+class PeerPool:
+    """A same-node sender's pool file, mapped read-only."""
+
+    def __init__(self, path: str):
+        real = os.path.realpath(path)
+        name = os.path.basename(real)
+        if os.path.dirname(real) != SHM_DIR or not name.startswith(PREFIX):
+            raise MalformedMessage("not a pdserve pool file")
+        st = os.stat(real)  # FileNotFoundError (another node) is the caller's to catch
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise MalformedMessage("not a pdserve pool file")
+        self.path = real
+        self.map = np.memmap(real, dtype=np.uint8, mode="r")  # (file bytes,)
+
+
+def open_peer_pool(path: str) -> PeerPool | None:
+    """The sender's pool when this process can map it (same node), else None."""
+    if not path:
+        return None
+    try:
+        return PeerPool(path)
+    except (OSError, ValueError, MalformedMessage):
+        return None
+
+
 class ShmAdvert:
     """Sender side of "shm": a pool in a /dev/shm file (`kvcache.shm_pool`)."""
 
@@ -87,7 +115,7 @@ class ShmAdvert:
 
 
 class ShmSource:
-    """Receiver side of "shm": the sender's pool file mapped read-only (`ray_shm.PeerPool` checks it)."""
+    """Receiver side of "shm": the sender's pool file mapped read-only (`PeerPool` checks it)."""
 
     def __init__(self, blob: bytes, storage=None):
         pool = open_peer_pool(blob.decode("utf-8", "replace"))

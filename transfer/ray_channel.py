@@ -1,41 +1,44 @@
-"""The Ray channel, sending side: how a `transfer.session.SenderSession` reaches a decode worker's
-`RayReceiverEndpoint` through its actor's one channel method, `kv(call, conn, *args)` (msgpack
-bytes in and out; payload pieces as numpy arrays that Ray copies once into its object store, or
-inline under 100 KiB).
+"""The Ray channel, sending side: the ZeroMQ channel's messages (`zmq_channel`, wire format
+`transfer.wire`) carried by calls to the decode worker's actor instead of a socket.
 
-A whole transfer is one call: the manifest with its frames ("receive"), or, when the receiver
-mapped this side's /dev/shm pool at the handshake (same node, `ray_shm`), only the frames' byte
-offsets in it ("receive_shm"): one copy, pool to pool. A streamed transfer is an "offer", one
-"blocks" call per batch of pieces (headers: `ray_wire`) and a "final", with at most one call
-outstanding, so a threaded actor never sees them out of order; the previous batch lands while
-the feed waits for the next prefill chunk. A failed stream sends "cancel". Every wait is a
-bounded `ray.get`. `RaySender(fingerprint, actor, config)` is a session over this channel.
+`RayPipe` is used exactly like the channel's DEALER socket: messages are buffered and go as one
+call, `kv(conn, headers, *bodies)` (`ray_transport`), when the channel waits for an answer or
+flushes a streamed transfer's batch; payload chunks are numpy views of pool memory that Ray copies
+once into its object store at submission (a staging slot's bytes are copied at once, since the
+slot is reused). At most one call is outstanding, so the receiver sees the messages in order;
+each call returns the answers the receiver produced for this connection. Every wait is bounded.
+A same-node sender offers its /dev/shm pool (`transfer.pull`), so a whole transfer then moves no
+payload through the object store at all. `RaySender(fingerprint, actor, config)` is a session
+over this channel.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import uuid
 
+import msgpack
 import numpy as np
 
-from transfer.codec import decode_reply, unpack
 from transfer.errors import MalformedMessage, TransferTimeout
-from transfer.messages import Nack
-from transfer.ray_shm import encode_offsets, pool_offsets
-from transfer.ray_wire import BLOCKS, CANCEL, FINAL, OFFER, OK, StreamHeader, decode_header, encode_header
+from transfer.pull import shm_advert
 from transfer.session import SenderSession
 from transfer.transport import TransportConfig
+from transfer.zmq_channel import ZmqChannel
+
+MAX_REPLIES = 4096
 
 
 def RaySender(fingerprint: dict, actor, config: TransportConfig | None = None, *, metrics=None, faults=None,
               pool=None):
     """A sender session over a Ray channel to `actor`. pool: this side's KVStorage (a /dev/shm pool
-    is read in place by a same-node receiver). Ray sends whole frames with their checksums in the
-    manifest."""
-    config = dataclasses.replace(config or TransportConfig(), checksum_mode="manifest")
-    return SenderSession(fingerprint, config, RayChannel(actor, config, pool), metrics=metrics, faults=faults)
+    is offered to a same-node receiver, which reads payloads from it). Checksums go in the
+    manifest (a whole transfer's pieces may never be touched by this side)."""
+    config = dataclasses.replace(config or TransportConfig(), checksum_mode="manifest", data_plane="zmq")
+    channel = RayChannel(actor, config, metrics, shm_advert(pool))
+    return SenderSession(fingerprint, config, channel, metrics=metrics, faults=faults)
 
 
 def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
@@ -46,157 +49,110 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
     return RaySender(fingerprint, actor, config, faults=faults, pool=pool)
 
 
-class RayChannel:
-    def __init__(self, actor, config: TransportConfig, pool=None):
-        self.actor, self.config, self.pool = actor, config, pool
-        self.conn = uuid.uuid4().hex  # this connection, as the receiver knows it
-        self.shm = False  # the receiver mapped our pool at the handshake
-        self.connected = False
+class RayChannel(ZmqChannel):
+    """The ZeroMQ channel's protocol over a `RayPipe` (no data stream: chunks travel in the calls)."""
 
-    def get(self, ref, deadline: float, what: str) -> bytes:
+    def __init__(self, actor, config: TransportConfig, metrics=None, advert=None):
+        self.actor = actor
+        super().__init__(config, metrics, advert)
+
+    def _context(self):
+        return None
+
+    def _where(self) -> tuple[str, str]:
+        return "ray", self.config.address  # the actor, reached by handle (no data stream)
+
+    def _open(self) -> None:
+        self.sock = RayPipe(self.actor, self.config.transfer_timeout_s)
+
+    def hello_fields(self) -> dict:
+        return {"stream": ""}
+
+    def flush(self) -> None:
+        self.sock.flush()
+
+
+class _Sent:
+    """The tracker of a message whose bytes were copied when it was queued."""
+
+    done = True
+
+
+class RayPipe:
+    """A DEALER-like message pipe over one connection's actor calls (`send_multipart`, `poll`,
+    `recv_multipart`, `close`)."""
+
+    def __init__(self, actor, call_timeout_s: float):
+        self.actor, self.call_timeout_s = actor, call_timeout_s
+        self.conn = uuid.uuid4().hex  # this connection, as the receiver knows it
+        self.headers: list[bytes] = []
+        self.bodies: list = []
+        self.pending = None  # the outstanding call
+        self.replies: collections.deque = collections.deque()
+
+    def send_multipart(self, parts, copy: bool = True, track: bool = False, flags: int = 0):
+        header, body = parts
+        if track:  # a staging slot, reused once this returns: its bytes go now
+            body = bytes(memoryview(body))
+        elif not isinstance(body, bytes):
+            body = np.frombuffer(body, dtype=np.uint8)  # a view of pool memory (leased until the ack)
+        self.headers.append(bytes(header))
+        self.bodies.append(body)
+        return _Sent() if track else None
+
+    def flush(self) -> None:
+        """Send what is queued as one call, once the previous call has answered."""
+        if not self.headers:
+            return
+        if not self._collect(time.monotonic() + self.call_timeout_s):
+            raise TransferTimeout(f"the receiving actor did not answer within {self.call_timeout_s}s")
+        headers = msgpack.packb(self.headers, use_bin_type=True)
+        self.pending = self.actor.kv.remote(self.conn, headers, *self.bodies)
+        self.headers, self.bodies = [], []
+
+    def _collect(self, deadline: float) -> bool:
+        """Wait (until `deadline`) for the outstanding call; its answers join `replies`."""
         import ray
 
-        timeout = max(0.001, deadline - time.monotonic())
-        try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            ray.cancel(ref)
-            raise TransferTimeout(f"no {what} from the receiving actor within {timeout:.3g}s") from None
-        except ray.exceptions.RayError as e:  # the actor died or raised
-            raise TransferTimeout(f"receiving actor failed during {what}: {type(e).__name__}") from None
-
-    # ---- transfer.channel.SenderChannel ---------------------------------------------------------------
-    def hello_fields(self) -> dict:
-        return {"pool_path": getattr(self.pool, "shm_path", None) or ""}
-
-    def request(self, kind: str, body: bytes, deadline: float) -> bytes:
-        return self.get(self.call(kind, body), deadline, f"{kind} reply")
-
-    def call(self, call: str, *args):
-        """One channel call to the receiving actor (an ObjectRef to its reply bytes)."""
-        return self.actor.kv.remote(call, self.conn, *args)
-
-    def accepted(self, reply) -> None:
-        path = self.hello_fields()["pool_path"]
-        self.shm = bool(path) and reply.data_path == path
-        self.connected = True
-
-    def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
-             deadline: float = float("inf")):
-        if streamed:
-            return _Stream(self, token, bodies)
-        return _Whole(self, bodies, frames)
-
-    def close(self) -> None:
-        """Nothing held open (actor calls); the next migration handshakes again."""
-        self.connected = False
-
-
-class _Whole:
-    """A whole transfer: one call once every piece is known."""
-
-    def __init__(self, ch: RayChannel, bodies: list[bytes], frames):
-        self.ch, self.bodies, self.frames = ch, bodies, frames
-        self.pieces: list = []
-        self.ref = None
-
-    def send(self, items) -> bool:
-        if self.frames is None:  # no host frames (a fault rewrote the pieces): rebuilt from them
-            self.pieces += [(key[0], bytes(view)) for key, view in items]
-        else:
-            for _ in items:  # the pieces are views of `frames`: nothing to copy
-                pass
-        return True
-
-    def _frames(self) -> list:
-        if self.frames is not None:
-            return list(self.frames)
-        out: dict[int, bytearray] = {}
-        for f, data in self.pieces:  # a chunk dropped, duplicated or reordered stays so in its frame
-            out.setdefault(f, bytearray()).extend(data)
-        return [bytes(out[f]) for f in sorted(out)]
-
-    def end(self, final_body) -> None:
-        ch = self.ch
-        if not self.bodies:  # a dropped call: the sender waits out its bound, as for a lost message
-            return
-        offsets = pool_offsets(ch.pool, self.frames) if ch.shm else None
-        if offsets is not None:  # same node: the receiver copies the frames out of our pool file
-            self.ref = ch.call("receive_shm", self.bodies[0], encode_offsets(offsets))
-            return
-        args = [np.frombuffer(f, dtype=np.uint8) for f in self._frames()]
-        for body in self.bodies:
-            self.ref = ch.call("receive", body, *args)
-
-    def verdict(self, deadline: float) -> bytes:
-        if self.ref is None:
-            time.sleep(max(0.0, deadline - time.monotonic()))
-            raise TransferTimeout("no ack from the receiving actor: the call never went")
-        return self.ch.get(self.ref, deadline, "ack")
-
-    def cancel(self) -> None:
-        pass
-
-
-class _Stream:
-    """A streamed transfer's calls, at most one outstanding."""
-
-    def __init__(self, ch: RayChannel, token: int, bodies: list[bytes]):
-        self.ch, self.token, self.seq = ch, token, 0
-        self.pending = None
-        self.limit = ch.config.transfer_timeout_s
-        for body in bodies:  # a dropped offer: the receiver refuses the blocks of a stream it never saw
-            self._submit("offer", StreamHeader(OFFER, token), body)
-
-    def _wait(self) -> None:
-        if self.pending is not None:
-            ref, self.pending = self.pending, None
-            self._answer(self.ch.get(ref, time.monotonic() + self.limit, "stream reply"))
-
-    def _answer(self, data) -> None:
-        """OK, or the nack's typed error raised."""
-        limits = self.ch.config.limits
-        if unpack(data, limits).get("kind") == OK:
-            h = decode_header(data, limits, OK)
-            if h.token != self.token:
-                raise MalformedMessage(f"reply for stream {h.token}, expected {self.token}")
-            return
-        decode_reply(data, Nack, limits, _Uncounted())  # raises: the nack's error, or MalformedMessage
-
-    def _submit(self, method: str, header: StreamHeader, *args) -> None:
-        self._wait()
-        self.pending = self.ch.call(method, encode_header(header), *args)
-
-    def send(self, items) -> bool:
-        pieces = list(items)
-        if pieces:  # Ray copies each array into its object store (or inline) at submission
-            keys = [k for k, _ in pieces]
-            header = StreamHeader(BLOCKS, self.token, self.seq, tuple(k[0] for k in keys),
-                                  tuple(k[1] for k in keys), tuple(k[3] for k in keys))
-            self._submit("blocks", header, *[np.frombuffer(v, dtype=np.uint8) for _, v in pieces])
-            self.seq += 1
-        return True
-
-    def end(self, final_body: bytes) -> None:
-        self._wait()  # every batch landed and verified before the final goes
-        header = encode_header(StreamHeader(FINAL, self.token, self.seq))
-        self.pending = self.ch.call("final", header, final_body)
-
-    def verdict(self, deadline: float) -> bytes:
+        if self.pending is None:
+            return True
+        ready, _ = ray.wait([self.pending], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return False
         ref, self.pending = self.pending, None
-        return self.ch.get(ref, deadline, "ack")
-
-    def cancel(self) -> None:
-        """Fire and forget: the receiver aborts the stream (it expires it anyway when idle)."""
         try:
-            header = encode_header(StreamHeader(CANCEL, self.token))
-            self.ch.call("cancel", header)
-        except Exception:  # noqa: BLE001 - the actor is gone: nothing left to cancel
-            pass
+            data = ray.get(ref, timeout=self.call_timeout_s)
+        except ray.exceptions.RayError as e:  # the actor died or raised
+            raise TransferTimeout(f"receiving actor failed: {type(e).__name__}") from None
+        self.replies.extend(_decode_replies(data))
+        return True
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        """Whether an answer is waiting; with a timeout, queued messages go first."""
+        if self.replies:
+            return True
+        if timeout_ms:
+            self.flush()
+        if self.pending is not None:
+            self._collect(time.monotonic() + timeout_ms / 1000)
+        return bool(self.replies)
+
+    def recv_multipart(self) -> list[bytes]:
+        return list(self.replies.popleft())
+
+    def close(self, linger: int = 0) -> None:
+        """Queued messages are dropped; an outstanding call is left to finish on its own."""
+        self.headers, self.bodies, self.pending = [], [], None
+        self.replies.clear()
 
 
-class _Uncounted:
-    """The session counts every error a channel raises once; decode_reply must not count it too."""
-
-    def record_error(self, err) -> None:
-        pass
+def _decode_replies(data) -> list[tuple[bytes, bytes]]:
+    try:
+        out = msgpack.unpackb(data, raw=False, max_array_len=MAX_REPLIES, max_str_len=0, max_map_len=0,
+                              max_ext_len=0)
+    except Exception as e:  # noqa: BLE001 - msgpack raises many kinds
+        raise MalformedMessage(f"the receiver's answers are not msgpack: {type(e).__name__}") from None
+    if type(out) is not list or any(type(r) is not list or len(r) != 2 or type(r[0]) is not bytes
+                                    or type(r[1]) is not bytes for r in out):
+        raise MalformedMessage("the receiver's answers must be [header, body] byte pairs")
+    return [(r[0], r[1]) for r in out]

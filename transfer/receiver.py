@@ -2,10 +2,10 @@
 
 A `MessageReceiver` holds what the protocol needs: the connections (`zmq_peers.PeerTable`: each
 sender's handshake, its transfer in progress, its offered pool), the hello and the dedupe
-query (`zmq_handshake`), admission and the import session opened by a manifest, payload chunks,
+query (`receiver_hello`), admission and the import session opened by a manifest, payload chunks,
 a streamed transfer's final state, the commit and its ack, cancel, expiry, abort and supersede
-by a newer epoch (`zmq_payload`), and the in-flight listing. It reads one message at a time as
-`Parts` (header, body, or a chunk's bytes, in the wire format of `transfer.zmq_wire`) and answers
+by a newer epoch (`receiver_transfers`), and the in-flight listing. It reads one message at a time as
+`Parts` (header, body, or a chunk's bytes, in the wire format of `transfer.wire`) and answers
 through `_deliver(connection, header, body)`. A channel's receiver is only how messages arrive
 and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the raw data stream's reader
 threads) and `ray_transport.RayReceiverEndpoint` (a Ray actor's calls). Every failure is a typed
@@ -30,12 +30,12 @@ from transfer.importer import ImportResult, ImportSession
 from transfer.messages import Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.pull import drop_source
+from transfer.receiver_hello import HandshakeMixin
+from transfer.receiver_transfers import PayloadMixin
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
-from transfer.zmq_handshake import HandshakeMixin
-from transfer.zmq_payload import PayloadMixin
+from transfer.wire import DATA, TOKEN
 from transfer.zmq_peers import Peer, PeerTable
-from transfer.zmq_wire import DATA, TOKEN
 
 
 class Part:
@@ -180,14 +180,20 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
             return self._hello(ident, peer, body)
         if kind in (b"Q", b"U") and len(header) == 1:
             return (self._query if kind == b"Q" else self._pool)(ident, peer, body)
-        if kind in (b"M", b"S", b"O", b"E", b"F", b"P") and len(header) == TOKEN.size:
+        if kind in b"MSOWEFPC" and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
-            if kind in (b"E", b"P"):
-                return self._end(ident, peer, token) if kind == b"E" else self._pull(ident, peer, token, body)
+            if kind == b"E":
+                return self._end(ident, peer, token)
+            if kind == b"P":
+                return self._pull(ident, peer, token, body)
+            if kind == b"C":
+                return self._cancel(ident, peer, token)
             if kind == b"F":
                 return self._final(ident, peer, token, body)
-            if kind == b"M" or self.streams is None:
-                return self._manifest(ident, peer, token, body, streamed=kind != b"M")
+            if kind in (b"M", b"W") or self.streams is None:
+                self._manifest(ident, peer, token, body, streamed=kind in (b"S", b"O"))
+                peer.awaits_final = kind == b"W" and peer.session is not None  # chunks here, then "F"
+                return None
             try:
                 self._manifest(ident, peer, token, body, streamed=True)
                 peer.awaits_final = kind == b"O"  # offered before its prompt finished computing

@@ -1,5 +1,5 @@
 """Wire format of the raw data stream that carries KV payload bytes beside the ZeroMQ control
-channel (`zmq_sender`, `zmq_receiver`, `stream_receiver`).
+channel (`zmq_channel`, `zmq_receiver`, `stream_receiver`).
 
 A sender that asked for a stream in its (signed) `Hello` gets a data port or Unix socket path and
 a 16-byte token in the `HelloReply`. It opens one stream socket and sends OPEN (magic + token);

@@ -1,7 +1,7 @@
 """The ZeroMQ channel, sending side: how a `transfer.session.SenderSession` reaches a `ZmqReceiver`.
 
 A DEALER socket connected to the receiver carries the control messages (wire format:
-`transfer.zmq_wire`); payloads go on the raw data stream the receiver offers in its hello reply
+`transfer.wire`); payloads go on the raw data stream the receiver offers in its hello reply
 (`stream_sender.DataStream`, opened with the signed token), or as ZeroMQ messages behind the
 manifest when the payload is at most `inline_bytes` or the data plane is "zmq", or stay where
 they are when the receiver accepted this side's pool offer (`transfer.pull`: it reads them from
@@ -14,19 +14,20 @@ session keeps the lease).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import zmq
 
 from transfer.codec import decode, encode
-from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
+from transfer.errors import TransferError, TransferTimeout
 from transfer.messages import Nack, PoolReply
 from transfer.pull import encode_offsets
 from transfer.session import SenderSession
 from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
-from transfer.zmq_wire import DATA, TOKEN
+from transfer.wire import DATA, TOKEN
 
 # a control request -> (its header, its reply's header)
 _REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q"), "pool": (b"U", b"u")}
@@ -48,12 +49,18 @@ class ZmqChannel:
         self.config, self.metrics = config, metrics or DEFAULT_METRICS
         self.advert, self.pull = advert, False  # pull: the receiver reads our pool (it accepted the offer)
         self.offered = advert is None  # the pool was offered since the last handshake
-        self.ctx = zmq.Context(io_threads=config.io_threads)
-        self.sock = None
+        self.sock = None  # what carries the messages: a DEALER socket here (`_open`)
         self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
-        self.scheme, self.where = parse_address(config.address)
+        self.scheme, self.where = self._where()
         self.connected = False  # a handshake answered on this socket (a reset forgets it)
+        self.ctx = self._context()
         self._open()
+
+    def _context(self):
+        return zmq.Context(io_threads=self.config.io_threads)
+
+    def _where(self) -> tuple[str, str]:
+        return parse_address(self.config.address)
 
     def _open(self) -> None:
         s = self.sock = self.ctx.socket(zmq.DEALER)
@@ -80,9 +87,13 @@ class ZmqChannel:
     def close(self) -> None:
         self.close_stream()
         self.sock.close(0)
-        self.ctx.term()
+        if self.ctx is not None:
+            self.ctx.term()
         if self.advert is not None:
             self.advert.close()
+
+    def flush(self) -> None:
+        """Messages go as they are sent on a socket (a channel that batches them sends them now)."""
 
     # ---- waiting ------------------------------------------------------------------------------------
     def reply(self, headers: tuple[bytes, ...]):
@@ -124,7 +135,7 @@ class ZmqChannel:
         self.pull = False
         self.offered = self.advert is None  # the pool is offered at the first whole transfer
 
-    def _offer(self) -> None:
+    def offer_pool(self) -> None:
         """Offer our pool (once per handshake, at the first whole transfer, so a way that is slow
         to set up, e.g. a NIXL agent, costs the handshake nothing); declined: bytes are pushed."""
         self.offered = True
@@ -135,10 +146,8 @@ class ZmqChannel:
 
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> _Transfer:
-        if streamed and self.stream is None:
-            raise HandshakeRequired("a streamed migration needs the receiver's data stream")
         if not self.offered and not streamed:
-            self._offer()
+            self.offer_pool()
         if self.pull and not streamed and frames is not None and manifest.checksum_mode == "manifest":
             offsets = self.advert.offsets(frames)
             if offsets is not None:  # every frame is pool memory: the receiver reads it there
@@ -170,15 +179,17 @@ class _Pulled:
 class _Transfer:
     """One transfer. Whole: "M" with "D" chunks and an "E" on the control socket, or "S" with the
     payload on the data stream (above `inline_bytes`). Streamed (its final state follows): "O", the
-    chunks on the data stream as they come, the stream's end, then "F" with the state."""
+    chunks on the data stream as they come, the stream's end, then "F" with the state; without a
+    data stream, "W", then each batch's "D" chunks, then "F"."""
 
     def __init__(self, ch: ZmqChannel, token: int, manifest, bodies: list[bytes], streamed: bool,
                  deadline: float):
         self.ch, self.token, self.deadline, self.early = ch, token, deadline, None
         self.ack_header = TOKEN.pack(b"A", token)
+        self.streamed = streamed
         big = manifest.payload_bytes > ch.config.inline_bytes
-        self.on_stream = streamed or (ch.stream is not None and big)
-        kind = b"O" if streamed else b"S" if self.on_stream else b"M"
+        self.on_stream = ch.stream is not None and (streamed or big)
+        kind = (b"O" if self.on_stream else b"W") if streamed else b"S" if self.on_stream else b"M"
         try:
             if self.on_stream:
                 ch.stream.open()  # TransportClosed when it will not open
@@ -200,6 +211,8 @@ class _Transfer:
         if self.live:
             self.live = (self.ch.stream.send_chunks(items, self.answered) if self.on_stream
                          else self._send_control(items))
+            if self.streamed:
+                self.ch.flush()  # this batch goes now, while the prompt's next chunk computes
         return self.live
 
     def _send_control(self, items) -> bool:
@@ -216,7 +229,8 @@ class _Transfer:
     def end(self, final_body: bytes | None) -> None:
         ch = self.ch
         if not self.on_stream:
-            ch.sock.send_multipart([TOKEN.pack(b"E", self.token), b""])
+            kind = b"F" if self.streamed else b"E"
+            ch.sock.send_multipart([TOKEN.pack(kind, self.token), final_body or b""])
         elif ch.stream.end() and final_body is not None:
             ch.sock.send_multipart([TOKEN.pack(b"F", self.token), final_body])
 
@@ -226,7 +240,11 @@ class _Transfer:
         return self.ch.wait((self.ack_header,), deadline, "ack")
 
     def cancel(self) -> None:
-        """The transfer failed: closing the data stream makes the receiver abort a streamed import
-        (the next transfer opens a fresh stream)."""
+        """The transfer failed on this side: the receiver aborts it (closing the data stream does
+        that for a streamed import; the next transfer opens a fresh stream). Never raises."""
         if self.on_stream:
             self.ch.close_stream()
+        elif self.streamed:
+            with contextlib.suppress(Exception):
+                self.ch.sock.send_multipart([TOKEN.pack(b"C", self.token), b""])
+                self.ch.flush()

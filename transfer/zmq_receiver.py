@@ -1,5 +1,5 @@
 """ZeroMQ receiver (decode side): the protocol of `transfer.receiver.MessageReceiver` served on a
-ROUTER socket (wire format: `transfer.zmq_wire`) and the raw data stream beside it. Payloads land
+ROUTER socket (wire format: `transfer.wire`) and the raw data stream beside it. Payloads land
 in the reserved blocks from the data stream's reader threads (`stream_receiver`) or, for small
 ones and data_plane "zmq", from this socket. A failed transfer is aborted (reservation
 released), nacked, counted, and its error raised from `poll`. A peer without a completed
@@ -26,8 +26,8 @@ from transfer.stream_receiver import StreamListener
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
+from transfer.wire import bind_address
 from transfer.zmq_peers import IdleConnections
-from transfer.zmq_wire import bind_address
 
 
 class ZmqReceiver(MessageReceiver):

@@ -1,6 +1,6 @@
 """ZeroMQ transport (tcp:// and ipc://): the registry's factories (`transfer.registry`) for a
 sender session over `zmq_channel` and a `zmq_receiver.ZmqReceiver`; wire format in
-`transfer.zmq_wire`. A sending worker whose pool lives in /dev/shm offers it to a same-node
+`transfer.wire`. A sending worker whose pool lives in /dev/shm offers it to a same-node
 receiver (`transfer.pull`), which then reads payloads from it instead of the socket.
 """
 

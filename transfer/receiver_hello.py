@@ -1,11 +1,11 @@
-"""The ZeroMQ receiver's answers before any transfer, as a mixin of `ZmqReceiver`: the handshake
-(`_hello`: at most `PREAUTH_MAX_BYTES`, checked before it is decoded; a signed hello must be
-addressed to this receiver, fresh and genuine before anything about the receiver is revealed;
-every failure up to there, of any exception type, is a counted refusal that never leaves `poll`;
-then layouts are compared, a data-stream token is issued when the sender asked for one, and the
-reply is signed for this hello), the sender's offer of its pool to read payloads from (`_pool`,
-`transfer.pull`) and the dedupe query (`_query`: answered only for an admitted request of the
-sender's). Owner's thread only.
+"""A receiver's answers before any transfer, as a mixin of `transfer.receiver.MessageReceiver`
+(every channel's): the handshake (`_hello`: at most `PREAUTH_MAX_BYTES`, checked before it is
+decoded; a signed hello must be addressed to this receiver, fresh and genuine before anything
+about the receiver is revealed; every failure up to there, of any exception type, is a counted
+refusal that never leaves `poll`; then layouts are compared, a data-stream token is issued when
+the sender asked for one, and the reply is signed for this hello), the sender's offer of its pool
+to read payloads from (`_pool`, `transfer.pull`) and the dedupe query (`_query`: answered only
+for an admitted request of the sender's). Owner's thread only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
 from transfer.refusals import as_refusal
 from transfer.transport import authenticate_hello, sign_reply
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 class HandshakeMixin:

@@ -1,10 +1,10 @@
-"""How a ZeroMQ receiver's transfers end, as a mixin of `ZmqReceiver`: superseded by a newer epoch
-of the same request (`_supersede`), payload chunks that came as ZeroMQ messages (`_chunk`),
-payloads that finished landing on the raw data stream (`_landed`, from `stream_receiver`'s
-reader threads), payloads read from the sender's own pool (`_pull`, `transfer.pull`), a streamed
-migration's closing state (`_final`), and the commit with its ack (`_end`). Everything here runs
-on the receiver's owner thread; a failure goes through `_fail` (reservation released, nack,
-count).
+"""How a receiver's transfers end, as a mixin of `transfer.receiver.MessageReceiver` (every
+channel's): superseded by a newer epoch of the same request (`_supersede`), payload chunks that
+came as messages (`_chunk`), payloads that finished landing on the raw data stream (`_landed`,
+from `stream_receiver`'s reader threads), payloads read from the sender's own pool (`_pull`,
+`transfer.pull`), a streamed transfer's closing state (`_final`) or its cancellation
+(`_cancel`), and the commit with its ack (`_end`). Everything here runs on the receiver's owner
+thread; a failure goes through `_fail` (reservation released, nack, count).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from transfer.errors import MalformedMessage, StaleEpoch, TransferError, Transpo
 from transfer.importer import ImportResult
 from transfer.messages import Ack, Final
 from transfer.pull import land_pulled
-from transfer.zmq_wire import TOKEN
+from transfer.wire import TOKEN
 
 
 class PayloadMixin:
@@ -89,7 +89,15 @@ class PayloadMixin:
             return self._fail(ident, peer, e)
         peer.final = final
         s.manifest = dataclasses.replace(m, state=final.state)
-        return self._end(ident, peer, token) if peer.landed else None
+        # landed on the data stream already, or its chunks came on this channel before the final
+        return self._end(ident, peer, token) if peer.landed or peer.landing is None else None
+
+    def _cancel(self, ident: bytes, peer, token: int) -> None:
+        """The sender gave the transfer up (its feed failed): every reserved block returns now."""
+        if peer.session is None or token != peer.token:
+            self.metrics.add("stray_cancels")
+            return None
+        return self._fail(ident, peer, TransportClosed("the sender cancelled the transfer"))
 
     def _pull(self, ident: bytes, peer, token: int, body) -> ImportResult | None:
         """A whole transfer's payload named by offsets in the sender's pool: read, verify, commit."""

@@ -1,13 +1,18 @@
-"""ZeroMQ wire format of KV migration (shared by `zmq_sender` and `zmq_receiver`).
-
-The decode side binds a ROUTER, each prefill side connects a DEALER. Every message is two
-parts, [header, body] (the ROUTER adds the peer identity in front):
+"""The wire format of KV migration's messages, the same on every channel (`zmq_channel` and
+`zmq_receiver` over ZeroMQ sockets: the decode side binds a ROUTER, each prefill side connects a
+DEALER; `ray_channel` and `ray_transport` in Ray actor calls). Every message is two parts,
+[header, body] (the ROUTER adds the peer identity in front):
   H / h     hello / reply (msgpack Hello; HelloReply or Nack)
   Q / q     dedupe query / reply (Query; Held or Nack)
   U / u     the sender offers its pool to read payloads from / reply (PoolOffer; PoolReply or Nack)
   M+token   manifest (msgpack Manifest)
   D+token+frame+chunk+xxh3   one payload chunk: raw bytes, sent zero-copy from pool memory
   E+token   end of payload (empty body)
+  S+token   manifest whose payload comes on the raw data stream (stream_wire)
+  O+token   a streamed offer (the prompt still computing): payload on the data stream, then F
+  W+token   a streamed offer whose chunks come as D messages here (no data stream), then F
+  F+token   a streamed transfer's final state (msgpack Final, sealed)
+  C+token   the sender cancels its transfer (empty body)
   P+token   instead of D...E: each frame's offset in the offered pool (uint64 LE; transfer.pull)
   A+token   ack or nack of a transfer (msgpack Ack or Nack)
   N         nack of a garbled message
