@@ -40,6 +40,7 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.transport import TransportConfig, ipc_address
 from transfer.wire import DATA
 
+
 # zmq-tcp / zmq-ipc: ZeroMQ control + the raw data stream (the default data plane);
 # zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq");
 # zmq-shm: ZeroMQ control, the payload read by the receiver from the sender's /dev/shm pool
@@ -47,9 +48,26 @@ from transfer.wire import DATA
 #   from the sender's registered pool (transfer.nixl_channel; skipped without nixl);
 # ray: actor calls, the payload read from the sender's /dev/shm pool (same node, transfer.pull);
 # ray-store: the same actor, the payload through the object store (what another node gets).
-TRANSPORTS = ("zmq-tcp", "zmq-ipc", "zmq-frames", "zmq-shm", "nixl", "ray", "ray-store")
-RAY = {"ray", "ray-store"}  # hosted by a Ray actor; every other one by the peer process (ZeroMQ control)
-PULLED = {"zmq-shm": "transfer.pull:ShmAdvert", "nixl": "transfer.nixl_channel:NixlAdvert"}  # -> its advert
+@dataclass(frozen=True)
+class Variant:
+    """One row of the benchmark: a registered transport, configured one way."""
+
+    transport: str              # its name in transfer.registry
+    actor: bool = False         # its receiver runs in a Ray actor (else in the peer process, ZeroMQ)
+    data_plane: str = "stream"  # TransportConfig.data_plane of a peer-process receiver's sender
+    address: int = 0            # which of the peer's addresses: 0 tcp, 1 ipc
+    pulled: bool = False        # its sender offers the point's pool, which the receiver reads (transfer.pull)
+
+
+VARIANTS = {"zmq-tcp": Variant("zmq"), "zmq-ipc": Variant("zmq", address=1),
+            "zmq-frames": Variant("zmq", data_plane="zmq"), "zmq-shm": Variant("zmq", pulled=True),
+            "nixl": Variant("nixl", pulled=True), "ray": Variant("ray", actor=True, pulled=True),
+            "ray-store": Variant("ray", actor=True)}
+TRANSPORTS = tuple(VARIANTS)
+
+
+def _actors(transports) -> list[str]:
+    return [t for t in transports if VARIANTS[t].actor]
 
 
 @dataclass(frozen=True)
@@ -88,59 +106,47 @@ class _Receivers:
 
     def __init__(self, peer, layout_args: tuple, num_blocks: int, transports, chunk_bytes: int,
                  ray_store_bytes: int = 0, inline_bytes: int | None = None, device: str = "cpu"):
-        self.peer, self.senders, self.actor = peer, {}, None
-        fp = KVLayout(*layout_args).fingerprint()
-        if peer is not None and set(transports) - RAY:
-            addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks, device=device,
-                              address="tcp://127.0.0.1:0", more_addresses=[ipc_address()])["addresses"]
-            from transfer.zmq_channel import ZmqSender
-
-            for name, addr, plane in zip(("zmq-tcp", "zmq-ipc", "zmq-frames"), addrs + addrs[:1],
-                                         ("stream", "stream", "zmq")):
-                if name in transports:
-                    more = {} if inline_bytes is None else {"inline_bytes": inline_bytes}
-                    cfg = TransportConfig(address=addr, chunk_bytes=chunk_bytes, data_plane=plane, **more)
-                    s = ZmqSender(fp, cfg)
-                    s.connect()
-                    self.senders[name] = s
-            self.pulled = TransportConfig(address=addrs[0], chunk_bytes=chunk_bytes, checksum_mode="manifest")
-        if set(transports) & RAY:
+        self.peer, self.senders, self.actor, self.addrs = peer, {}, None, []
+        self.chunk_bytes, self.inline_bytes = chunk_bytes, inline_bytes
+        if peer is not None and len(_actors(transports)) < len(transports):
+            self.addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks,
+                                   device=device, address="tcp://127.0.0.1:0",
+                                   more_addresses=[ipc_address()])["addresses"]
+        if _actors(transports):
             import ray
 
             from bench.ray_receiver import PoolReceiver
-            from transfer.ray_channel import RaySender
 
             self.actor = ray.remote(num_cpus=0.5)(PoolReceiver).remote(layout_args, num_blocks, prefault=True)
-            # the senders are made per point (`use`): the same-node one offers that point's pool
-            self.ray_config = TransportConfig(chunk_bytes=chunk_bytes, inline_bytes=0)  # manifest checksums
-            self.ray_sender = RaySender
             _warm_object_store(self.actor, ray_store_bytes)
 
     def use(self, transport: str, src) -> None:
-        """A sender whose pool is read by the receiver (`PULLED`, and `ray` on one node) offers this
-        point's pool afresh; `ray-store` pushes (what another node gets)."""
-        if transport not in PULLED and transport not in RAY:
-            return
-        from transfer.registry import _load
-        from transfer.zmq_channel import ZmqSender
+        """This point's sender for `transport`, through the registry: a pulled one offers this
+        point's pool (its receiver reads the payload there), the others push."""
+        from transfer.registry import get as get_transport
 
+        v, kind = VARIANTS[transport], get_transport(VARIANTS[transport].transport)
         if transport in self.senders:
             self.senders.pop(transport).close()
+        more = {} if self.inline_bytes is None else {"inline_bytes": self.inline_bytes}
+        if v.pulled:
+            more["inline_bytes"] = 0  # every payload a transfer of its own, read from the pool
+        address = "" if v.actor else self.addrs[v.address]
+        mode = "manifest" if v.pulled else kind.checksum_mode  # a pulled payload is checked against it
+        cfg = TransportConfig(address=address or TransportConfig.address, chunk_bytes=self.chunk_bytes,
+                              data_plane=v.data_plane, checksum_mode=mode, **more)
+        pool = src.storage if v.pulled else None
         fp = src.storage.layout.fingerprint()
-        if transport in RAY:
-            pool = src.storage if transport == "ray" else None
-            s = self.senders[transport] = self.ray_sender(fp, self.actor, self.ray_config, pool=pool)
-        else:
-            advert = _load(PULLED[transport])(src.storage)
-            s = self.senders[transport] = ZmqSender(fp, self.pulled, advert=advert)
+        s = self.senders[transport] = (_actor_sender(fp, self.actor, cfg, pool) if v.actor
+                                       else kind.make_sender(fp, cfg, pool=pool))
         s.connect(timeout=120)
-        if s.channel.advert is not None:
+        if v.pulled:
             s.channel.offer_pool()
-        assert s.channel.pull == (transport != "ray-store"), "the receiver declined the pool"
+        assert s.channel.pull == v.pulled, "the receiver declined the pool"
 
     def finish(self, transport: str, request_id: str) -> tuple[int | None, dict]:
         """Digest of the imported sequence on the receiver (then freed there)."""
-        if transport in RAY:
+        if VARIANTS[transport].actor:
             import ray
 
             digest = ray.get(self.actor.digest.remote(request_id), timeout=120)
@@ -156,6 +162,14 @@ class _Receivers:
             import ray
 
             ray.kill(self.actor)
+
+
+def _actor_sender(fingerprint, actor, config, pool):
+    """A sender to the benchmark's own receiving actor (the registry's factory finds a decode
+    worker's actor by name; this one has a handle)."""
+    from transfer.ray_channel import RaySender
+
+    return RaySender(fingerprint, actor, config, pool=pool)
 
 
 def _warm_object_store(actor, store_bytes: int, piece: int = 64 << 20) -> None:
@@ -267,7 +281,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     if "nixl" in cfg.transports and not available():
         log("nixl is not installed: the nixl transport is skipped (pip install 'pdserve[nixl]')")
         cfg = dataclasses.replace(cfg, transports=tuple(t for t in cfg.transports if t != "nixl"))
-    if cfg.device != "cpu" and set(cfg.transports) & RAY:
+    if cfg.device != "cpu" and _actors(cfg.transports):
         raise ValueError("device pools are benchmarked over the zmq transports only "
                          "(--transports zmq-tcp,zmq-ipc)")
     from bench.machine import describe, summary
@@ -284,12 +298,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             f"{row['kv_shape']} T={row['tokens']} B={row['block_size']}: p50 {row['latency_ms_p50']:.2f} ms, "
             f"p99 {row['latency_ms_p99']:.2f} ms, {row['gb_per_s']:.2f} GB/s, verified={row['verified']}")
 
-    peer = PeerProcess() if set(cfg.transports) - RAY or cfg.baselines else None
+    peer = PeerProcess() if len(_actors(cfg.transports)) < len(cfg.transports) or cfg.baselines else None
     ray_started, results, store, base, timeline = False, [], 0, None, []
     origin = time.perf_counter()
     try:
         base = Baselines(peer, cfg.repeats, log, cfg.device) if cfg.baselines else None
-        if set(cfg.transports) & RAY:
+        if _actors(cfg.transports):
             import ray
 
             token_bytes = max(KVLayout(L, H, D, 1, dt).token_bytes for _, (L, H, D, dt) in shapes)

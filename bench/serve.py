@@ -116,10 +116,10 @@ def setups(cfg: ServeBenchConfig) -> list[tuple[str, bool]]:
     for mode in cfg.modes:
         if mode == "colocated":
             out.append((mode, False))
-        elif mode == "per_request":  # once, with the cluster's default migration
-            out.append((mode, cfg.transport == "zmq"))
-        else:  # streaming is a zmq transport feature: under ray both settings run whole migrations
-            out += [(mode, s) for s in (cfg.streamed if cfg.transport == "zmq" else (False,))]
+        elif mode == "per_request":  # once, with the cluster's default migration (streamed)
+            out.append((mode, True))
+        else:  # every transport streams (over the data stream, or chunk messages where there is none)
+            out += [(mode, s) for s in cfg.streamed]
     return out
 
 
