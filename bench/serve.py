@@ -55,7 +55,7 @@ class ServeBenchConfig:
     num_requests: per run. preset: loadgen preset of the length distributions. prefill / decode:
     engines of the disaggregated mode; the colocated mode gets prefill + decode engines doing both
     phases. step_budget: tokens per engine step (max_num_batched_tokens) of every engine in every
-    mode. transport: KV migration transport (streaming needs zmq). block_size / num_blocks: each
+    mode. transport: KV migration transport (every one streams). block_size / num_blocks: each
     engine's KV pool. url / mode: a running coordinator and its mode (then `modes` and `streamed`
     are ignored; a run's `streamed` says whether any of its migrations streamed). slo: goodput
     thresholds. seed: base seed of every prompt set. overhead_requests: requests per kind in the

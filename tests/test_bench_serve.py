@@ -269,5 +269,6 @@ def test_quick_says_p99_is_about_the_max_and_the_full_run_does_not():
     assert np.percentile(a, 99) > a[-2] and np.percentile(np.arange(200.0), 99) < 198  # why 101
     with pytest.raises(ValueError):
         bs.ServeBenchConfig(streamed=())
-    assert bs.setups(bs.ServeBenchConfig(transport="ray")) == [("disaggregated", False), ("colocated", False),
-                                                               ("per_request", False)]
+    ray = bs.ServeBenchConfig(transport="ray")  # every transport streams, Ray too
+    assert bs.setups(ray) == [*[("disaggregated", s) for s in ray.streamed], ("colocated", False),
+                              ("per_request", True)]
