@@ -1,17 +1,17 @@
 """ZeroMQ transport over real tcp:// and ipc:// sockets: handshake once per connection, full and
-deduplicated migrations, re-blocking and staged (device-style) paths, typed nacks travelling
-back to the sender (incompatible layout or model, unadmitted transfer, stale epoch), a dedupe
-miss retried in full, and bounded sender waits. Malformed traffic against the receiver is in
-test_transfer_zmq_wire.py."""
+deduplicated migrations (queried, or in one round trip), re-blocking and staged (device-style)
+paths, a dedupe miss retried in full, and bounded sender waits. What every transport must do
+alike (typed refusals of an incompatible layout or model, an unadmitted transfer or a stale
+epoch, with the receiver's pool unchanged) is in test_channel_conformance.py; malformed traffic
+against the receiver is in test_transfer_zmq_wire.py."""
 
 import time
 
 import pytest
 import torch
-from zmq_helpers import SHAPE, Served, kv_bytes, pool, snapshot
+from zmq_helpers import Served, kv_bytes, pool
 
-from bench.pools import fill_random_sequence, make_manager
-from kvcache.storage import KVLayout
+from bench.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
@@ -78,99 +78,6 @@ def test_reblock_and_staged_streaming(gen):
         served.stop()
     assert torch.equal(kv_bytes(dst, "r"), kv_bytes(src, "a"))
     dst.check_integrity()
-
-
-def test_handshake_refuses_incompatible_layout(gen):
-    dst = pool()
-    served = Served(dst)
-    tx = ZmqSender(pool(head_dim=16).storage.layout.fingerprint(), TransportConfig(address=served.rx.address))
-    try:
-        with pytest.raises(E.FingerprintMismatch) as info:
-            tx.connect()
-        assert info.value.remote
-        assert isinstance(served.next(), E.FingerprintMismatch)
-        assert tx.metrics.errors["fingerprint"] >= 1 and served.metrics.errors["fingerprint"] == 1
-    finally:
-        tx.close()
-        served.stop()
-
-
-def test_handshake_refuses_another_model_of_the_same_shape():
-    """Equal shapes, different model identity: refused at the handshake, naming the field."""
-    dst = make_manager(KVLayout(block_size=16, model="model-a", **SHAPE), 64)
-    served = Served(dst)
-    other = KVLayout(block_size=16, model="model-b", **SHAPE)
-    tx = ZmqSender(other.fingerprint(), TransportConfig(address=served.rx.address))
-    try:
-        with pytest.raises(E.FingerprintMismatch, match="model"):
-            tx.connect()
-        assert isinstance(served.next(), E.FingerprintMismatch)
-    finally:
-        tx.close()
-        served.stop()
-
-
-class _OnlyReserved:
-    """Admission as a decode worker gives it: one reserved (transfer id, epoch, sender)."""
-
-    def admit_transfer(self, request_id, epoch, peer):
-        return (request_id, epoch, peer) == ("r/0", 5, "prefill-0")
-
-    def admit_query(self, request_id, peer):
-        return (request_id, peer) == ("r/0", "prefill-0")
-
-
-@pytest.mark.parametrize("request_id,epoch,peer", [("x/0", 5, "prefill-0"), ("r/0", 4, "prefill-0"),
-                                                   ("r/0", 5, "intruder")])
-def test_unadmitted_transfer_and_query_are_refused_before_any_allocation(gen, request_id, epoch, peer):
-    src, dst = pool(), pool()
-    fill_random_sequence(src, "a", 40, gen)
-    fill_random_sequence(dst, "cached", 40, gen, src.table("a").token_ids)  # dst caches the same prefix
-    dst.free("cached")
-    served = Served(dst)
-    served.rx.admission = _OnlyReserved()
-    before = snapshot(dst)
-    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address,
-                                                                      peer_name=peer))
-    try:
-        if (request_id, peer) != ("r/0", "prefill-0"):  # a query carries no epoch
-            with pytest.raises(E.NotAdmitted) as info:
-                tx.query(request_id, src.table("a").token_ids)
-            assert "refused" in str(info.value) and request_id not in str(info.value)
-        with pytest.raises(E.NotAdmitted):
-            tx.migrate(src, "a", request_id, epoch, dedupe=False)
-        assert isinstance(served.next(), E.NotAdmitted)
-        assert snapshot(dst) == before and served.metrics.errors["refused"] >= 1
-        tx.config = TransportConfig(address=served.rx.address, peer_name="prefill-0")
-        tx.connect()  # the reserved sender, same connection: admitted, and the dedupe hit is real
-        assert tx.migrate(src, "a", "r/0", 5).reused_blocks == 2
-    finally:
-        tx.close()
-        served.stop()
-
-
-def test_stale_epoch_nack_reaches_sender_and_releases_lease(gen):
-    src, dst = pool(), pool()
-    served = Served(dst, auto_free=True)
-    tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address))
-    try:
-        fill_random_sequence(src, "a", 40, gen)
-        tx.migrate(src, "a", "r", 3, dedupe=False)
-        served.next()
-        before = snapshot(dst)
-        ex = export_sequence(src, "a", "r", 3)
-        with pytest.raises(E.StaleEpoch) as info:
-            tx.send(ex)
-        assert info.value.remote and ex.released
-        assert isinstance(served.next(), E.StaleEpoch)
-        assert tx.migrate(src, "a", "r", 4, dedupe=False).epoch == 4
-        served.next()
-    finally:
-        tx.close()
-        served.stop()
-    assert snapshot(dst) == before
-    src.check_integrity()
-    assert served.metrics.errors["stale_epoch"] == 1
 
 
 def test_dedupe_miss_is_retried_in_full(gen):

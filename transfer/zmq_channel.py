@@ -185,6 +185,7 @@ class _Transfer:
     def __init__(self, ch: ZmqChannel, token: int, manifest, bodies: list[bytes], streamed: bool,
                  deadline: float):
         self.ch, self.token, self.deadline, self.early = ch, token, deadline, None
+        self.sock = ch.sock  # the connection it runs on (a timeout's reset replaces the channel's)
         self.ack_header = TOKEN.pack(b"A", token)
         self.streamed = streamed
         big = manifest.payload_bytes > ch.config.inline_bytes
@@ -244,7 +245,7 @@ class _Transfer:
         that for a streamed import; the next transfer opens a fresh stream). Never raises."""
         if self.on_stream:
             self.ch.close_stream()
-        elif self.streamed:
+        elif self.streamed and self.ch.sock is self.sock:  # after a reset the receiver forgot it anyway
             with contextlib.suppress(Exception):
                 self.ch.sock.send_multipart([TOKEN.pack(b"C", self.token), b""])
                 self.ch.flush()
