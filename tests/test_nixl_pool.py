@@ -19,7 +19,7 @@ import pytest
 import torch
 import xxhash
 
-from transfer import nixl_pool
+from transfer import nixl_pool, nixl_segments
 from transfer.errors import LimitExceeded, MalformedMessage, TransferTimeout, TransportClosed
 from transfer.nixl_pool import NixlAgent, NixlUnavailable, Region, plan_segments
 
@@ -115,7 +115,7 @@ def test_plan_rejects(segs):
 
 
 def test_plan_limits_segment_count(monkeypatch):
-    monkeypatch.setattr(nixl_pool, "MAX_SEGMENTS", 4)
+    monkeypatch.setattr(nixl_segments, "MAX_SEGMENTS", 4)
     plan_segments([(i * 8, i * 8, 8) for i in range(4)], R, L)
     with pytest.raises(LimitExceeded):
         plan_segments(((i * 8, i * 8, 8) for i in range(5)), R, L)
