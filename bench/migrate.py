@@ -278,7 +278,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         raise ValueError(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
     from transfer.nixl_pool import available
 
-    if "nixl" in cfg.transports and not available():
+    if "nixl" in cfg.transports and not available():  # NOTE: the one optional transport: skipped, said
         log("nixl is not installed: the nixl transport is skipped (pip install 'pdserve[nixl]')")
         cfg = dataclasses.replace(cfg, transports=tuple(t for t in cfg.transports if t != "nixl"))
     if cfg.device != "cpu" and _actors(cfg.transports):

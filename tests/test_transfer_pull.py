@@ -52,6 +52,21 @@ def test_same_node_pool_is_read_in_place(plane):
         served.stop()
 
 
+def test_a_two_thread_copy_lands_the_same_bytes():
+    from transfer.pull import SPLIT_MIN_BYTES, ShmSource
+
+    layout = KVLayout(block_size=16, num_layers=8, num_kv_heads=8, head_dim=64, dtype="float16")
+    src = make_manager(layout, 40, shm=True)  # 128 KiB blocks
+    fill_random_sequence(src, "a", 600, torch.Generator().manual_seed(3), list(range(1, 601)))
+    n = 2 * SPLIT_MIN_BYTES + 3  # odd: the halves differ by a byte
+    want = bytes(src.storage.block_bytes_view(0, 38)[5:5 + n])
+    source = ShmSource(src.storage.shm_path.encode())
+    source.threads = 2
+    a, b = bytearray(n // 3), bytearray(n - n // 3)
+    source.read(5, [memoryview(a), memoryview(b)])
+    assert bytes(a) + bytes(b) == want
+
+
 def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_path):
     src = _source()
     served = Served(make_manager(LAYOUT, 64))
