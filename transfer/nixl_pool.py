@@ -40,9 +40,9 @@ import math
 import time
 
 from transfer.errors import LimitExceeded, MalformedMessage, TransferTimeout, TransportClosed
+from transfer.nixl_api import INSTALL_HINT, NixlUnavailable, _new_agent, _nixl_api, available  # noqa: F401
 from transfer.nixl_segments import MAX_SEGMENTS, Region, _descs, plan_segments  # noqa: F401 (re-exported)
 
-INSTALL_HINT = "pip install 'pdserve[nixl]'  (on CPU: pip install --no-deps nixl nixl-cu12)"
 MAX_METADATA_BYTES = 64 << 10
 
 # The wait loop: poll flat out for this long, then sleep from _SLEEP_FIRST_S, doubling up to _SLEEP_MAX_S
@@ -50,28 +50,6 @@ MAX_METADATA_BYTES = 64 << 10
 _SPIN_S = 100e-6
 _SLEEP_FIRST_S = 10e-6
 _SLEEP_MAX_S = 500e-6
-
-
-class NixlUnavailable(RuntimeError):
-    """The optional `nixl` package cannot be imported."""
-
-
-def _nixl_api():
-    """nixl's Python API module, or NixlUnavailable with the install hint."""
-    try:
-        from nixl import _api
-    except ImportError as e:  # not installed, or no backend wheel (nixl-cu12, ...) for it
-        raise NixlUnavailable(f"nixl is not importable ({e}); {INSTALL_HINT}") from e
-    return _api
-
-
-def available() -> bool:
-    """Whether nixl can be imported here."""
-    try:
-        _nixl_api()
-    except NixlUnavailable:
-        return False
-    return True
 
 
 class NixlAgent:
@@ -84,7 +62,7 @@ class NixlAgent:
             raise ValueError("agent name must be a non-empty str")
         api = _nixl_api()
         self.name = name
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = _new_agent(api, name)
         if "UCX" not in self._agent.backends:
             raise NixlUnavailable(f"nixl has no UCX backend plugin here; {INSTALL_HINT}")
         self._regions: dict[Region, tuple[object, object]] = {}  # region -> (tensor kept alive, reg dlist)
