@@ -49,13 +49,13 @@ def test_a_corrupted_read_fails_its_checksum_and_leaves_the_pool_unchanged(monke
     from transfer import nixl_channel
 
     src, served, tx = _pair()
-    real = nixl_channel.NixlSource.read
+    real = nixl_channel.NixlSource.read_many
 
-    def flipped(self, offset, bufs):
-        real(self, offset, bufs)
-        bufs[0][0] ^= 1  # as if a bit flipped on the way
+    def flipped(self, items):
+        real(self, items)
+        items[-1][1][0][0] ^= 1  # as if a bit of the last chunk flipped on the way
 
-    monkeypatch.setattr(nixl_channel.NixlSource, "read", flipped)
+    monkeypatch.setattr(nixl_channel.NixlSource, "read_many", flipped)
     try:
         tx.connect()
         before = snapshot(served.manager)

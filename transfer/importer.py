@@ -157,6 +157,21 @@ class ImportSession:
             return [memoryview(self._slot.host[:nbytes].numpy())]
         return [self.pool[offset:offset + length] for offset, length in self._segments(frame, chunk)]
 
+    def direct_targets(self) -> list[tuple[int, int, int, list[memoryview]]] | None:
+        """(frame, chunk, nbytes, pool views) of every chunk still expected, when each lands straight
+        in the reserved blocks, so a payload can be read in one go (`transfer.pull`); None when the
+        chunks go through staging or a device ring (one buffer at a time, via `chunk_buffers`)."""
+        if self.staging is not None or self.sink is not None:
+            return None
+        m, out = self.manifest, []
+        f0, c0 = self._next
+        for f in range(f0, len(m.frames)):
+            desc = m.frames[f]
+            for c in range(c0 if f == f0 else 0, desc.num_chunks(m.chunk_bytes)):
+                segs = self._segments(f, c)
+                out.append((f, c, sum(n for _, n in segs), [self.pool[o:o + n] for o, n in segs]))
+        return out
+
     def _segments(self, frame: int, chunk: int) -> list[tuple[int, int]]:
         return pool_segments(self.manifest.frames[frame], chunk, self.manifest.chunk_bytes,
                              self.checked.frame_block_bytes, self.dst_blocks)

@@ -5,9 +5,9 @@ hello, reservation, manifest, verify after landing, ack. What this file adds is 
 `transfer.pull`: at its first transfer after the hello the sender offers its whole KV pool,
 registered with a NIXL agent of its own (`NixlAdvert`: agent metadata plus the region); the
 receiver loads that agent into one of its own, which has registered the receiver's pool
-(`NixlSource`), and reads each
-chunk of a transfer straight into the blocks it reserved, with one NIXL READ per chunk (local
-blocks outside its registered pool, e.g. a device pool's host staging slots, are read through a
+(`NixlSource`), and reads the
+payload straight into the blocks it reserved, with one NIXL READ for all of it (buffers outside
+its registered pool, e.g. a device pool's host staging slots, are read chunk by chunk through a
 registered scratch buffer). The checksums in the manifest are verified on landing as for any
 payload; the ack on the control channel is the completion notice the sender waits for.
 
@@ -38,7 +38,7 @@ from transfer.messages import PoolOffer
 from transfer.nixl_pool import NixlAgent, Region
 from transfer.pull import register_source
 
-READ_TIMEOUT_S = 10.0  # the longest one chunk's READ may take before the transfer fails
+READ_TIMEOUT_S = 30.0  # the longest one READ (a whole payload, at most) may take before the transfer fails
 
 
 def _name(role: str) -> str:
@@ -116,16 +116,20 @@ class NixlSource:
             self.scratch_region = self.agent.register(self.scratch)
         return self.scratch, self.scratch_region
 
-    def read(self, offset: int, bufs) -> None:
-        """Read the sender's bytes at `offset` into `bufs`, in order (bounds checked by the agent)."""
-        direct, staged, pos = [], [], offset
-        for b in bufs:
-            start = np.frombuffer(b, dtype=np.uint8).ctypes.data - self.base
-            if 0 <= start and start + b.nbytes <= self.local.nbytes:
-                direct.append((pos, start, b.nbytes))
-            else:
-                staged.append((pos, b))
-            pos += b.nbytes
+    def read_many(self, items) -> None:
+        """Read the sender's bytes at each (offset, buffers) pair into those buffers: the ones in
+        this receiver's registered pool in one READ, the others through the scratch buffer in a
+        second (bounds checked by the agent)."""
+        direct, staged = [], []
+        for offset, bufs in items:
+            pos = offset
+            for b in bufs:
+                start = np.frombuffer(b, dtype=np.uint8).ctypes.data - self.base
+                if 0 <= start and start + b.nbytes <= self.local.nbytes:
+                    direct.append((pos, start, b.nbytes))
+                else:
+                    staged.append((pos, b))
+                pos += b.nbytes
         try:
             if direct:
                 self.agent.read(self.peer, self.remote, self.local, direct, READ_TIMEOUT_S)

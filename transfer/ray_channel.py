@@ -29,6 +29,9 @@ from transfer.transport import TransportConfig
 from transfer.zmq_channel import ZmqChannel
 
 MAX_REPLIES = 4096
+# each payload chunk is one object-store argument of the call: fewer, larger ones cost less per byte
+# (the schema's largest chunk; `pdserve bench migrate`, ray-store row)
+CHUNK_BYTES = 16 << 20
 
 
 def RaySender(fingerprint: dict, actor, config: TransportConfig | None = None, *, metrics=None, faults=None,
@@ -36,7 +39,9 @@ def RaySender(fingerprint: dict, actor, config: TransportConfig | None = None, *
     """A sender session over a Ray channel to `actor`. pool: this side's KVStorage (a /dev/shm pool
     is offered to a same-node receiver, which reads payloads from it). Checksums go in the
     manifest (a whole transfer's pieces may never be touched by this side)."""
-    config = dataclasses.replace(config or TransportConfig(), checksum_mode="manifest", data_plane="zmq")
+    config = config or TransportConfig()
+    config = dataclasses.replace(config, checksum_mode="manifest", data_plane="zmq",
+                                 chunk_bytes=max(config.chunk_bytes, CHUNK_BYTES))
     channel = RayChannel(actor, config, metrics, shm_advert(pool))
     return SenderSession(fingerprint, config, channel, metrics=metrics, faults=faults)
 
