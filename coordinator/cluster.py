@@ -125,6 +125,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
                    for worker in self.workers.values()]
         return {"mode": "colocated" if self.colocated else "cluster", "model": self.name,
                 "transport": None if self.colocated else self.config.transport,
+                "transport_capabilities": None if self.colocated else _capabilities(self.config.transport),
                 "routing": self.config.routing, "workers": workers, "empty_slots": dict(self.slot_status),
                 "ledger": self.ledger.summary()}
 
@@ -254,3 +255,12 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _capabilities(transport: str) -> dict:
+    """What the cluster's transport can do (transfer.registry.Capabilities), for /v1/cluster."""
+    import dataclasses
+
+    from transfer.registry import get
+
+    return dataclasses.asdict(get(transport).capabilities)

@@ -141,6 +141,7 @@ def test_metrics_and_cluster_info_describe_the_workers(cluster):
     assert 'pdserve_pool_blocks{role="decode",state="total",worker="decode-0"}' in text
     info = cc.cluster_info(cluster.port)
     assert info["transport"] == transport and info["mode"] == "cluster"
+    assert info["transport_capabilities"]["one_sided"] == (transport == "nixl")  # transfer.registry
     sizes = {w["role"]: w["block_size"] for w in info["workers"]}
     cfg = cluster.backend.config
     assert sizes == {"prefill": cfg.block_size, "decode": cfg.decode_block_size or cfg.block_size}

@@ -18,12 +18,16 @@ from importlib import import_module
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a transport can do, read by the workers in place of its name."""
+    """What a transport can do, read in place of its name."""
 
-    # a same-node receiver copies the frames straight from the sender's pool (a /dev/shm file it maps)
+    # with its default pool options, a same-node receiver reads whole payloads straight from the
+    # sender's pool (a /dev/shm file it maps: transfer.pull); any channel can, if the pool is there
     same_node_pool: bool = False
     # `SenderSession.migrate_streamed`: blocks leave while the prompt is still being computed
     streamed: bool = True
+    # whole payloads are read one-sided by the receiver from the sender's registered pool on any node
+    # (no sender thread moves payload bytes), host or device memory alike
+    one_sided: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,4 +95,5 @@ register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_tran
                    checksum_mode="manifest", engine_options={"kv_shm": True},
                    capabilities=Capabilities(same_node_pool=True), bench_names=("ray", "ray-store")))
 register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
-                   checksum_mode="manifest", bench_names=("nixl",)))
+                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True),
+                   bench_names=("nixl",)))
