@@ -16,7 +16,7 @@ import time
 from transfer.codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
 from transfer.importer import ImportResult
-from transfer.messages import Ack, Final
+from transfer.messages import Ack, Final, Nack
 from transfer.pull import land_pulled
 from transfer.wire import TOKEN
 
@@ -77,6 +77,10 @@ class PayloadMixin:
         s = peer.session
         if s is None or token != peer.token or not peer.awaits_final or peer.final is not None:
             self.metrics.add("stray_finals")
+            if token > peer.token:  # its offer never arrived (lost): the sender waits on this answer
+                err = TransportClosed(f"no transfer {token} was offered on this connection")
+                self.metrics.record_error(err)
+                self._send(ident, TOKEN.pack(b"A", token), Nack("", 0, err.code, str(err)))
             return None
         try:
             final = decode(unseal(body), self.config.limits, Final)
