@@ -16,6 +16,7 @@ what the sender offered: an offset outside it is a MalformedMessage, never a rea
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 
@@ -161,15 +162,11 @@ class ShmSource:
 
 
 SPLIT_MIN_BYTES = 1 << 20  # a smaller chunk is copied by the calling thread alone
-_COPIERS: dict = {}
-
-
+@functools.cache
 def _copier(threads: int):
     import concurrent.futures
 
-    if threads not in _COPIERS:
-        _COPIERS[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kv-copy")
-    return _COPIERS[threads]
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kv-copy")
 
 
 def shm_advert(storage):

@@ -20,6 +20,8 @@ from collections import OrderedDict
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from transfer.pull import drop_source
+
 MAX_PEERS = 4096      # connections with a completed handshake whose state is kept
 MAX_STRANGERS = 1024  # connections without one
 
@@ -79,8 +81,7 @@ class PeerTable:
             for k, old in self.known.items():
                 if old.session is None:
                     del self.known[k]
-                    if old.source is not None:  # its pool reader (transfer.pull) holds resources
-                        old.source.close()
+                    drop_source(old)  # its pool reader (transfer.pull) holds resources
                     break
         self.known[ident] = peer
 
