@@ -7,6 +7,8 @@ every byte crosses the node's veth (and its shaper):
   node's address (the same receiver and pool settings as `pdserve bench migrate`);
 - ray: the `bench.ray_receiver.PoolReceiver` actor, placed on the node (the head has no CPU), the
   payload through Ray's object store (ray-store: the node cannot map the sender's pool file);
+- nixl (when installed): ZeroMQ control, the node's NIXL agent reading the payload from the
+  sender's registered pool over UCX, held to TCP (see run_bench);
 - raw_tcp: a plain TCP stream of the same bytes into a pre-touched buffer on the node, one
   connection, `sendall` + a one-byte reply per transfer (the link's own ceiling).
 Each rate in `rates` (tc syntax, e.g. 1gbit; "unlimited": no shaper) shapes the node's link both
@@ -123,8 +125,17 @@ def run_bench(rates=("unlimited", "1gbit"), kv_shape: str = "llama3-8b", tokens=
         raise RuntimeError(why)
     import ray
 
+    from transfer.nixl_pool import available
+
+    # UCX (nixl) held to TCP here and in the node's processes, which inherit this environment: the
+    # node shares this machine's PID and IPC namespaces, through which UCX would read the sender's
+    # memory directly (CMA, SysV shm), past the link (netns_nodes.NetnsCluster.env says the same)
+    os.environ.setdefault("UCX_TLS", "tcp,self")
+    transports = ("zmq-tcp", "ray-store") + (("nixl",) if available() else ())
+    if "nixl" not in transports:
+        log("nixl is not installed: its row is skipped (pip install 'pdserve[nixl]')")
     L, H, D, dtype = parse_kv_shape(kv_shape)
-    cfg = BenchConfig(kv_shapes=(kv_shape,), tokens=tuple(tokens), transports=("zmq-tcp", "ray-store"),
+    cfg = BenchConfig(kv_shapes=(kv_shape,), tokens=tuple(tokens), transports=transports,
                       repeats=repeats, warmup=2, small_repeats=repeats, small_warmup=2, baselines=False)
     rows, gen = [], torch.Generator().manual_seed(1234)
     spec = netns_nodes.NodeSpec({"receiver_node": 1}, num_cpus=1)
@@ -167,13 +178,16 @@ def run_bench(rates=("unlimited", "1gbit"), kv_shape: str = "llama3-8b", tokens=
 
 
 def summary(report: dict) -> str:
-    lines = [f"{'rate':>10} {'tokens':>6} {'MB':>7} {'zmq-tcp':>8} {'ray':>8} {'raw_tcp':>8}  (GB/s; x raw)"]
+    names = ("zmq-tcp", "ray-store", "nixl")
+    lines = [f"{'rate':>10} {'tokens':>6} {'MB':>7} " + " ".join(f"{n:>9}" for n in names)
+             + f" {'raw_tcp':>8}  (GB/s; x raw)"]
     by = {}
     for r in report["results"]:
         by.setdefault((r["rate"], r["tokens"]), {})[r["transport"]] = r
     for (rate, T), row in by.items():
-        z, y, raw = row.get("zmq-tcp"), row.get("ray-store"), row["raw_tcp"]["gb_per_s"]
-        lines.append(f"{rate:>10} {T:>6} {row['raw_tcp']['bytes'] / 1e6:7.1f} {z['gb_per_s']:8.3f} "
-                     f"{y['gb_per_s']:8.3f} {raw:8.3f}  zmq {z['gb_per_s'] / raw:.2f}x, ray "
-                     f"{y['gb_per_s'] / raw:.2f}x")
+        raw = row["raw_tcp"]["gb_per_s"]
+        cells = [f"{row[n]['gb_per_s']:9.3f}" if n in row else f"{'-':>9}" for n in names]
+        ratios = ", ".join(f"{n} {row[n]['gb_per_s'] / raw:.2f}x" for n in names if n in row)
+        lines.append(f"{rate:>10} {T:>6} {row['raw_tcp']['bytes'] / 1e6:7.1f} {' '.join(cells)} {raw:8.3f}  "
+                     + ratios)
     return "\n".join(lines)

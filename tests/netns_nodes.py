@@ -86,8 +86,11 @@ class NetnsCluster:
         return f"{self.subnet}.{2 + i}"
 
     def env(self) -> dict:
-        """The environment a driver or `pdserve up` needs to join with the token."""
-        return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
+        """The environment a driver or `pdserve up` needs to join with the token. UCX (NIXL) is
+        held to TCP: the nodes share this machine's PID and IPC namespaces, through which UCX would
+        otherwise reach another node's memory directly (CMA, SysV shm), past its link."""
+        return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path,
+                "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self")}
 
     # ---- start ----------------------------------------------------------------------------------
     def __enter__(self) -> NetnsCluster:

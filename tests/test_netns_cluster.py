@@ -2,16 +2,16 @@
 bridge in the root namespace, a prefill node and a decode node each with its own network namespace,
 address and /dev/shm), driven as the README says: `pdserve up --address HEAD --config
 deploy/multinode.yaml --model tiny --device cpu`. The workers sit on their nodes' namespace
-addresses, the decode worker's KV receiver binds on its node's address (not loopback), greedy
-tokens over zmq equal the local engine's, and the migrated bytes cross the decode node's veth (its
-counters). The decode node's link is then cut for a few seconds mid-load: each request is answered
-with the local engine's tokens or fails with a clean 5xx, never wrong, and once the link is back
-the cluster answers right again (the decode worker reconnected, or was replaced). Then, on one more
-`pdserve up` with two spare decode nodes added after placement: the decode node killed whole, and
-the next decode node's link cut for good; each time every answer right or a clean 5xx, the worker
-replaced on a live node, no block leaked (counts and recovery time printed). Last, a Hugging Face
-checkpoint the decode nodes lack reaches them from Ray's object store. Skipped where the harness
-cannot run (not root, no `ip`).
+addresses, the decode worker's KV receiver binds on its node's address (not loopback), greedy tokens
+over zmq, Ray and NIXL equal the local engine's, and the migrated bytes cross the decode node's veth
+(its counters). The decode node's link is then cut for a few seconds mid-load: each request is
+answered with the local engine's tokens or fails with a clean 5xx, never wrong, and once the link is
+back the cluster answers right again (the decode worker reconnected, or was replaced). Then, on one
+more `pdserve up` with two spare decode nodes added after placement: the decode node killed whole,
+and the next decode node's link cut for good; each time every answer right or a clean 5xx, the
+worker replaced on a live node, no block leaked (counts and recovery time printed). Last, a Hugging
+Face checkpoint the decode nodes lack reaches them from Ray's object store. Skipped where the
+harness cannot run (not root, no `ip`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
-import select
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 
@@ -34,7 +29,9 @@ ray = pytest.importorskip("ray")
 import cluster_client as cc  # noqa: E402
 import netns_nodes  # noqa: E402
 
+from bench.netns_serve import start_up, stop_up  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from transfer.nixl_pool import available as nixl_available  # noqa: E402
 
 WHY = netns_nodes.unavailable()
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(300)]
@@ -55,23 +52,7 @@ def nodes():
 
 def _up(cluster, transport: str, model: str = "tiny"):
     """`pdserve up` joined to the namespaced cluster, one worker per role; returns (process, port)."""
-    cmd = [sys.executable, "-m", "pdserve_cli.main", "up", "--address", cluster.address, "--config",
-           os.path.join(ROOT, "deploy", "multinode.yaml"), "--model", model, "--device", "cpu",
-           "--prefill", "1", "--decode", "1", "--num-blocks", "128", "--host", "127.0.0.1", "--port", "0",
-           "--transport", transport, "--weights", "f32"]  # compared with the local f32 engine
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**cluster.env(), "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    seen, found, deadline = "", None, time.monotonic() + 120
-    while found is None and time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            seen += proc.stdout.readline()
-            found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen)
-    if found is None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        rc = proc.wait(10)
-        raise AssertionError(f"pdserve up did not come up (exit {rc}):\n{seen}{proc.stdout.read()}")
-    return proc, int(found.group(1))
+    return start_up(cluster, transport, model)
 
 
 def _answer(port: int, prompt: list[int]):
@@ -83,7 +64,10 @@ def _answer(port: int, prompt: list[int]):
     return body["choices"][0]["token_ids"], body["pdserve"]["backend"].get("migration")
 
 
-@pytest.mark.parametrize("transport", ["zmq", "ray"])
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed"))
+
+
+@pytest.mark.parametrize("transport", ["zmq", "ray", NIXL])
 def test_prefill_and_decode_on_their_own_nodes_and_a_cut_link(nodes, local_engine, transport):
     want = [r[0] for r in cc.reference(local_engine, PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
     proc, port = _up(nodes, transport)
@@ -92,7 +76,7 @@ def test_prefill_and_decode_on_their_own_nodes_and_a_cut_link(nodes, local_engin
         by_role = {w["role"]: w for w in info["workers"]}
         prefill, decode = by_role["prefill"], by_role["decode"]
         assert prefill["node_address"] == nodes.node_ip(0) and decode["node_address"] == nodes.node_ip(1)
-        if transport == "zmq":  # the KV receiver binds on the decode node's namespace address
+        if decode["address"].startswith("tcp://"):  # zmq, nixl: the receiver binds on the node's address
             assert nodes.node_ip(1) in decode["address"] and "127.0.0.1" not in decode["address"], decode
         assert prefill["address"] != decode["address"]
 
@@ -137,16 +121,7 @@ def test_prefill_and_decode_on_their_own_nodes_and_a_cut_link(nodes, local_engin
         live_decode = [w for w in rest["workers"] if w["role"] == "decode" and w["alive"]]
         assert live_decode and all(w["node_address"] == nodes.node_ip(1) for w in live_decode)
     finally:
-        _stop(proc)
-
-
-def _stop(proc) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        stop_up(proc)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +134,7 @@ def spared(nodes):
         spares = [nodes.add_node(netns_nodes.NodeSpec({"decode_node": 1})) for _ in range(2)]
         yield port, spares
     finally:
-        _stop(proc)
+        stop_up(proc)
 
 
 def _fault(nodes, port: int, want: list, inflict, what: str) -> dict:
@@ -248,4 +223,4 @@ def test_the_model_reaches_a_node_that_lacks_it(nodes, tmp_path):
               got == want)
         assert got == want
     finally:
-        _stop(proc)
+        stop_up(proc)
