@@ -142,6 +142,9 @@ def run_bench(rates=("unlimited", "1gbit"), kv_shape: str = "llama3-8b", tokens=
     with netns_nodes.NetnsCluster([spec], head_cpus=0, object_store_mb=1024, shm_mb=2048) as cluster:
         cluster.connect()
         peer = NodePeer(cluster, 0)
+        # this process's UCX may use the bridge (UCX skips bridges unless told): without it, it
+        # offers the node only loopback, which UCX refuses across namespaces
+        os.environ.setdefault("UCX_TCP_BRIDGE_ENABLE", "y")
         try:
             for rate in rates:
                 if rate == "unlimited":
