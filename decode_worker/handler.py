@@ -111,6 +111,8 @@ class DecodeHandler:
 
     def wait(self, loop, timeout: float, events: list) -> None:
         loop.drain(events)
+        if self.engine.has_work():  # a command just drained gave it work (a local prefill): no idle sleep
+            timeout = min(timeout, self.config.busy_poll_s)
         try:
             result = self.receiver.poll(timeout)  # ends early for a queued command (`wake`)
             partial: set[str] = set()  # requests with sequences still on their way
