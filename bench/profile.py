@@ -10,8 +10,9 @@ per step + per sequence, migration fixed ms + ms per byte; and from them the cro
 it less than receiving the KV (coordinator.decide explains the model). Bounded: `QUICK` measures
 a few points with few repeats, and every point is one short engine run. The engine is timed with
 `threads` torch threads (1, as every worker). Unless `serving` is off, bench.profile_serving also
-measures the serving path's per-request and per-token overheads (colocated and disaggregated, real
-clusters) and the contention of two engines stepping at once: what the planner adds to the engine.
+measures the serving path (colocated and disaggregated, real clusters: per request, per computed
+prompt token, the cold cost after idling, per token; `fits.serving`, bench.plan.serving) and the
+contention of two engines stepping at once: what the planner adds to the engine.
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ class ProfileConfig:
     serving: bool = True   # also the serving path's overheads and contention (bench.profile_serving)
     serving_prompt_lens: tuple[int, ...] = (16, 64, 256, 512, 1024)
     serving_max_tokens: int = 32
-    serving_repeats: int = 4
+    serving_repeats: int = 4           # back-to-back requests per length (prefill-only, and full)
+    serving_gaps_ms: tuple[float, ...] = (10, 25, 50, 100, 200, 400)  # idle before an isolated request
+    serving_isolated_repeats: int = 3  # isolated requests per (length, gap)
     contention_steps: int = 60
     threads: int | None = 1  # torch threads while timing the engine: 1, as every worker (runtime.actor)
 
 
 QUICK = ProfileConfig(prompt_lens=(16, 64, 256, 512), cached_fractions=(0.0, 0.75), batch_sizes=(1, 8),
                       contexts=(128,), decode_steps=5, repeats=5, migrate_tokens=(16, 128, 512),
-                      migrate_repeats=5, quick=True, serving_prompt_lens=(16, 128, 512),
-                      serving_max_tokens=16, serving_repeats=3, contention_steps=40)
+                      migrate_repeats=5, quick=True, serving_prompt_lens=(16, 128, 512, 1024),
+                      serving_max_tokens=16, serving_repeats=3, serving_gaps_ms=(20, 60, 300),
+                      serving_isolated_repeats=3, contention_steps=40)
 
 
 def _engine(cfg: ProfileConfig):
@@ -192,6 +196,7 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
     """The serving path's overheads per configuration kind and the contention factor, into
     `report['serving']`, `report['contention']` and the fits the planner reads."""
     from bench.plan.model import from_profile
+    from bench.plan.serving import ServingPath
     from bench.profile_serving import KINDS, measure_contention, measure_serving
 
     log("contention (two engines stepping at once) ...")
@@ -199,7 +204,8 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
     log("serving path (sequential requests through real clusters) ...")
     report["serving"] = s = measure_serving(cfg, from_profile(report), log)
     f = report["fits"]
-    f["request_overhead_ms"] = {k: s[k]["request_overhead_ms"] for k in KINDS}
+    f["serving"] = {k: {x: s[k]["fit"][x] for x in ServingPath.__dataclass_fields__} for k in KINDS}
+    f["request_overhead_ms"] = {k: s[k]["request_overhead_ms"] for k in KINDS}  # back to back, median
     f["token_overhead_ms"] = {k: s[k]["token_overhead_ms"] for k in KINDS}
     f["contention"] = report["contention"]["contention"]
 
@@ -219,15 +225,13 @@ def format_profile(report: dict) -> str:
                  f"migration {f['migration_fixed_ms']:.2f} ms + {f['migration_ms_per_token']:.4f} ms/token")
     lines.append(f"suggested local_prefill_max_tokens (ClusterConfig): {f['local_prefill_max_tokens']} "
                  f"(prefill_ms_per_token {f['prefill_ms_per_token']:.4f})")
-    for kind, ms in (f.get("request_overhead_ms") or {}).items():
-        tok = f["token_overhead_ms"][kind]
-        lines.append(f"serving path ({kind}): +{_ms(ms)} ms per request, +{_ms(tok)} ms per token")
+    from bench.plan.serving import from_fits
+
+    for kind in (f.get("serving") or f.get("request_overhead_ms") or {}):
+        lines.append(f"serving path ({kind}): {from_fits(f, kind).describe()}")
     if "contention" in f:
         c = report["contention"]
         lines.append(f"contention: step {c['alone_step_ms']:.2f} ms alone, {c['together_step_ms']:.2f} ms "
                      f"with another engine stepping -> {f['contention']:.2f} per other busy engine")
     return "\n".join(lines)
 
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x:.2f}"

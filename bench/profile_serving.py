@@ -1,154 +1,297 @@
-"""`pdserve profile`'s serving part: what the engine alone does not show. The serving path (HTTP,
-coordinator, ZeroMQ to the worker and back, a report every step, detokenizing, one SSE event per
-token) costs time per request and per token, and the workers, the coordinator and the client share
-this machine's cores. Measured here:
-- serving: the real thing (`deploy.launch.ClusterServer`, bench serve's cluster settings: the
-  tiny model, colocated 2 and 1P+1D with streamed migration), sequential requests one at a time
-  (fresh prompts, max_tokens=1 and max_tokens=N, ignore_eos). Per request, TTFT minus the engine
-  model's prefill (minus its migration when disaggregated, for the N-token requests that migrate)
-  is the per-request overhead; TPOT minus the modelled batch-1 decode step is the per-token
-  overhead. The medians per configuration kind are recorded (`request_overhead_ms`,
-  `token_overhead_ms`), beside the raw rows;
-- contention: two engines stepping at once (two processes, the same decode batch) against one
-  alone: `contention = together / alone - 1`, the step stretch per other busy engine that
-  bench.plan.model applies.
-Bounded: every request has a timeout, every cluster and the Ray instance are always shut down.
+"""`pdserve profile`'s serving part: what the engine alone does not show, on real clusters
+(`deploy.launch.ClusterServer`, bench serve's settings: tiny, colocated 2 and 1P+1D streamed).
+Per kind, fresh prompts at several lengths, and again sharing a planted prefix (`shapes`), in three
+phases: prefill-only back to back (then the workers' own step fits, from /v1/cluster: the engine
+inside a worker), full requests back to back, and full requests alone after planned idle gaps
+(`isolated`). Per full request: TTFT minus the engine model's prefill of its computed tokens (the
+first token leaves the prefill worker before the KV), the idle time before it, TPOT minus the
+modelled batch-1 step (and, disaggregated, the migration spread over its intervals); fitted by
+bench.plan.serving.fit_ttft (`fit`: the terms the planner applies), token_ms the median TPOT
+residual; beside them the raw rows, the client's share of TTFT (minus the coordinator's
+`pdserve.ttft_ms`) and this process's CPU per request (the coordinator runs here). And the
+contention of two engine processes stepping at once against one alone (`measure_contention`,
+child processes speaking JSON lines). Bounded: timeouts everywhere, clusters and Ray always stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 
+from bench.plan.serving import ServingPath, fit_ttft
+
 KINDS = {"colocated": "colocated", "disaggregated": "disaggregated"}  # kind -> bench serve mode
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _specs(lens, max_tokens: int, repeats: int, seed: int, start: int):
+OWN = 16  # a shared-prefix request's own tokens after the prefix
+
+
+def shapes(lens, block_size: int) -> list[tuple[int, int]]:
+    """(prompt tokens, cached tokens) measured: every length fresh, and every length of 4 blocks or
+    more again as a shared prefix (the full blocks of all but its last OWN tokens cached)."""
+    return [(n, 0) for n in lens] + [(n, (n - OWN) // block_size * block_size) for n in lens
+                                     if n >= 4 * block_size]
+
+
+def _spec(rng, index: int, arrival_s: float, shape: tuple[int, int], max_tokens: int, base: list[int]):
     from bench.loadgen import PROMPT_ID_RANGE, RequestSpec
 
-    rng, (lo, hi), out = np.random.default_rng(seed), PROMPT_ID_RANGE, []
-    for n in lens:
-        for _ in range(repeats):
-            prompt = [int(x) for x in rng.integers(lo, hi, size=n)]
-            out.append(RequestSpec(start + len(out), 0.0, prompt, max_tokens))
+    (n, cached), (lo, hi) = shape, PROMPT_ID_RANGE
+    head = base[:n - OWN] if cached else []
+    return RequestSpec(index, arrival_s, head + [int(x) for x in rng.integers(lo, hi, size=n - len(head))],
+                       max_tokens)
+
+
+def back_to_back(shapes_, max_tokens: int, repeats: int, rng, start: int,
+                 base: list[int]) -> tuple[list, dict[int, int]]:
+    """Sequential requests; returns the specs and the cached tokens per index."""
+    order = [s for s in shapes_ for _ in range(repeats)]
+    specs = [_spec(rng, start + i, 0.0, s, max_tokens, base) for i, s in enumerate(order)]
+    return specs, {start + i: s[1] for i, s in enumerate(order)}
+
+
+def isolated(shapes_, gaps_ms, repeats: int, max_tokens: int, rng, start: int, run_s: dict[int, float],
+             base: list[int]) -> tuple[list, dict[int, float], dict[int, int]]:
+    """One request at a time, open loop: each sent a planned gap after the previous one's expected
+    end (`run_s`: seconds a request of that length takes, measured back to back, with a margin),
+    so the gap is idle time; returns the specs, the planned gap and the cached tokens per index."""
+    cells = [(s, g) for _ in range(repeats) for g in gaps_ms for s in shapes_]
+    specs, gaps, cached, t = [], {}, {}, 0.0
+    for i, k in enumerate(rng.permutation(len(cells))):
+        s, g = cells[k]
+        t += g / 1e3
+        specs.append(_spec(rng, start + i, t, s, max_tokens, base))
+        gaps[start + i], cached[start + i] = float(g), s[1]
+        t += run_s[s[0]]  # NOTE: an estimate: the idle time is measured, an overlapped request dropped
+    return specs, gaps, cached
+
+
+def _run_s(records) -> dict[int, float]:
+    """Per prompt length: 1.25 x the median send-to-end seconds, + 3 ms."""
+    by: dict[int, list[float]] = {}
+    for r in records:
+        if r.ok and r.end_s is not None:
+            by.setdefault(r.prompt_tokens, []).append(r.end_s - r.send_s)
+    return {n: 1.25 * statistics.median(v) + 0.003 for n, v in by.items()}
+
+
+def _idle(records) -> dict[int, float]:
+    """Per request: ms from the last answer's end to its send (negative: it overlapped one)."""
+    out, last = {}, None
+    for r in sorted(records, key=lambda r: r.send_s):
+        out[r.index] = 1e6 if last is None else (r.send_s - last) * 1e3
+        if r.end_s is not None:
+            last = r.end_s if last is None else max(last, r.end_s)
     return out
 
 
-def _rows(records, model, kind: str) -> list[dict]:
+def _rows(records, model, kind: str, gaps: dict[int, float], idle: dict[int, float],
+          cached: dict[int, int]) -> list[dict]:
     rows = []
     for r in records:
         if not r.ok or r.first_s is None:
             continue
-        ttft = (r.first_s - r.send_s) * 1e3
-        migrates = kind == "disaggregated" and r.max_tokens > 1  # max_tokens=1 never migrates
-        pred = model.prefill_ms(r.prompt_tokens) + (model.migration_ms(r.prompt_tokens) if migrates else 0.0)
-        row = {"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "ttft_ms": ttft,
-               "request_overhead_ms": ttft - pred}
-        if r.output_tokens > 1 and r.end_s is not None:
+        ttft, computed = (r.first_s - r.send_s) * 1e3, r.prompt_tokens - cached.get(r.index, 0)
+        pred = model.prefill_ms(computed)  # the first token leaves the prefill worker before the KV
+        row = {"tokens": r.prompt_tokens, "computed": computed, "max_tokens": r.max_tokens,
+               "gap_ms": gaps.get(r.index, 0.0),
+               "idle_ms": idle[r.index], "ttft_ms": ttft, "resid_ms": ttft - pred,
+               "client_ms": None if r.server_ttft_ms is None else ttft - r.server_ttft_ms}
+        if r.output_tokens > 1 and r.end_s is not None:  # disaggregated: the migration comes first
             tpot = (r.end_s - r.first_s) * 1e3 / (r.output_tokens - 1)
-            step = model.step_ms(1, r.prompt_tokens + r.output_tokens // 2, 0)
-            row.update(tpot_ms=tpot, token_overhead_ms=tpot - step)
+            mig = model.migration_ms(computed) if kind == "disaggregated" else 0.0
+            step = model.step_ms(1, r.prompt_tokens + r.output_tokens // 2, 0) + mig / (r.output_tokens - 1)
+            row.update(tpot_ms=tpot, token_resid_ms=tpot - step)
         rows.append(row)
     return rows
 
 
 def _median(rows: list[dict], key: str, **match) -> float | None:
-    xs = [r[key] for r in rows if key in r and all(r[k] == v for k, v in match.items())]
+    xs = [r[key] for r in rows if r.get(key) is not None and all(r[k] == v for k, v in match.items())]
     return float(statistics.median(xs)) if xs else None
 
 
-def measure_serving(cfg, model, log=print) -> dict:
-    """Per kind: rows and the median overheads (see the module doc). `model`: the engine-only
-    bench.plan StepModel of this profile."""
-    from bench.serve import ServeBenchConfig, cluster_config
+def _worker_steps(url: str, model, lens, step_budget: int) -> list[dict]:
+    """The prefilling workers' own step fits (engine.step_pacer, via /v1/cluster) after the
+    prefill-only phase, and what they make of each length (in chunks of the step budget) against
+    the engine model's prefill."""
+    with urllib.request.urlopen(f"{url}/v1/cluster", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    out = []
+    for w in workers:
+        if w.get("role") in ("colocated", "prefill") and w.get("step_fixed_ms") is not None:
+            fixed, per = float(w["step_fixed_ms"]), float(w["step_us_per_token"]) / 1e3
+            out.append({"name": w["name"], "step_fixed_ms": fixed, "step_ms_per_token": per,
+                        "ratio_to_model": {str(n): (fixed * -(-n // step_budget) + per * n)
+                                           / model.prefill_ms(n) for n in lens}})
+    return out
+
+
+def _run_kind(url: str, cfg, model, kind: str, seed: int, step_budget: int) -> dict:
+    from bench.loadgen import PROMPT_ID_RANGE, RequestSpec
     from bench.serve_client import load_in_subprocess
+
+    rng, lens, n_tok = np.random.default_rng(seed), cfg.serving_prompt_lens, cfg.serving_max_tokens
+    fresh, both = [(n, 0) for n in lens], shapes(lens, cfg.block_size)
+    base = [int(x) for x in rng.integers(*PROMPT_ID_RANGE, size=max(lens))]  # the shared prefixes' source
+    warm = back_to_back([(32, 0), (256, 0)], 4, 2, rng, 0, base)[0] + [RequestSpec(10, 0.0, base, 2)]
+    load_in_subprocess(url, warm, 60.0, sequential=True)  # warm-up; plants `base` (migrated: both caches)
+    only = load_in_subprocess(url, back_to_back(fresh, 1, cfg.serving_repeats, rng, 100, base)[0], 60.0,
+                              sequential=True)[0]
+    steps = _worker_steps(url, model, lens, step_budget)
+    cpu0, wall0 = sum(os.times()[:2]), time.monotonic()
+    specs, cached = back_to_back(both, n_tok, cfg.serving_repeats, rng, 1000, base)
+    full = load_in_subprocess(url, specs, 60.0, sequential=True)[0]
+    run_s = {n: 0.2 for n in lens} | _run_s(full)
+    specs, gaps, more = isolated(both, cfg.serving_gaps_ms, cfg.serving_isolated_repeats, n_tok, rng, 2000,
+                                 run_s, base)
+    alone = load_in_subprocess(url, specs, 60.0)[0]
+    cpu, wall = sum(os.times()[:2]) - cpu0, time.monotonic() - wall0
+    idle = _idle(only + full + alone)
+    rows = _rows(full + alone, model, kind, gaps, idle, cached | more)
+    fit = fit_ttft([r for r in rows if r["idle_ms"] >= 0])  # an overlapped request queued: not a cost
+    fit["token_ms"] = _median(rows, "token_resid_ms") or 0.0
+    only_rows = _rows(only, model, kind, {}, idle, {})
+    return {"rows": rows, "prefill_only_rows": only_rows, "failed": len(only) + len(full) + len(alone)
+            - len(rows) - len(only_rows), "fit": fit, "worker_steps": steps,
+            "request_overhead_ms": _median([r for r in rows if r["computed"] == r["tokens"]], "resid_ms",
+                                           gap_ms=0.0),  # back to back, fresh: the older constant
+            "prefill_only_overhead_ms": _median(only_rows, "resid_ms"), "token_overhead_ms": fit["token_ms"],
+            "client_ms_p50": _median(rows, "client_ms"),
+            "process_cpu_ms_per_request": cpu * 1e3 / max(1, len(full) + len(alone)), "phase_wall_s": wall}
+
+
+def measure_serving(cfg, model, log=print) -> dict:
+    """Per kind: rows, the fitted serving path and diagnostics (see the module doc). `model`: the
+    engine-only bench.plan StepModel of this profile."""
+    from bench.serve import ServeBenchConfig, cluster_config
     from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray
 
     scfg = ServeBenchConfig(prefill=1, decode=1, block_size=cfg.block_size, num_blocks=1024, quick=True)
     out: dict = {"prompt_lens": list(cfg.serving_prompt_lens), "max_tokens": cfg.serving_max_tokens,
-                 "repeats": cfg.serving_repeats}
+                 "repeats": cfg.serving_repeats, "gaps_ms": list(cfg.serving_gaps_ms),
+                 "isolated_repeats": cfg.serving_isolated_repeats}
     started = start_ray(RayConfig(num_cpus=2))
     try:
-        for kind, mode in KINDS.items():
+        for i, (kind, mode) in enumerate(KINDS.items()):
             srv = ClusterServer(cluster_config(mode, scfg, streamed=True))
             try:
                 url = f"http://127.0.0.1:{srv.start(timeout=scfg.start_timeout_s)}"
-                warm = _specs((32, 32), 4, 1, 7, 0)
-                one = _specs(cfg.serving_prompt_lens, 1, cfg.serving_repeats, 11, 100)
-                full = _specs(cfg.serving_prompt_lens, cfg.serving_max_tokens, cfg.serving_repeats, 13, 200)
-                records = []
-                for specs in (warm, one, full):
-                    records.append(load_in_subprocess(url, specs, 60.0, sequential=True)[0])
+                out[kind] = o = _run_kind(url, cfg, model, kind, 11 + i, scfg.step_budget)
             finally:
                 srv.stop()
-            rows = _rows(records[1] + records[2], model, kind)
-            out[kind] = {"rows": rows, "failed": len(records[1]) + len(records[2]) - len(rows),
-                         "request_overhead_ms": _median(rows, "request_overhead_ms",
-                                                        max_tokens=cfg.serving_max_tokens),
-                         "prefill_only_overhead_ms": _median(rows, "request_overhead_ms", max_tokens=1),
-                         "token_overhead_ms": _median(rows, "token_overhead_ms")}
-            o = out[kind]
-            log(f"  serving {kind}: +{_fmt(o['request_overhead_ms'])} ms per request "
-                f"(max_tokens=1: +{_fmt(o['prefill_only_overhead_ms'])}), "
-                f"+{_fmt(o['token_overhead_ms'])} ms per token")
+            f = o["fit"]
+            path = ServingPath(**{k: f[k] for k in ServingPath.__dataclass_fields__})
+            log(f"  serving {kind}: {path.describe()} (rms {_fmt(f['rms_ms'])} ms; client share "
+                f"{_fmt(o['client_ms_p50'])} ms; worker engine x{_fmt(_ratio(o))} the model; "
+                f"{o['failed']} failed)")
     finally:
         stop_ray(started)
     return out
+
+
+def _ratio(o: dict) -> float | None:
+    xs = [x for w in o["worker_steps"] for x in w["ratio_to_model"].values()]
+    return float(statistics.median(xs)) if xs else None
 
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _decode_loop(model: str, block_size: int, batch: int, ctx: int, steps: int, barrier, q) -> None:
+def _contention_child() -> int:
+    """`python -m bench.profile_serving`: one engine process of the contention measurement. JSON
+    lines: the job on stdin, then {"ready"} out; each {"run"} in is answered by the median step ms
+    of `steps` decode steps; {"stop"} (or EOF) ends it."""
     import torch
 
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
 
+    job = json.loads(sys.stdin.readline())
     torch.set_num_threads(1)  # as every worker (runtime.actor)
-    engine = LLMEngine(EngineConfig(model=model, block_size=block_size, device="cpu", num_blocks=512))
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-    ids = [engine.add_request([1 + (i * 7 + j) % 100 for i in range(ctx)], params) for j in range(batch)]
+    engine = LLMEngine(EngineConfig(model=job["model"], block_size=job["block_size"], device="cpu",
+                                    num_blocks=512))
+    params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
+    ids = [engine.add_request([1 + (i * 7 + j) % 100 for i in range(job["ctx"])], params)
+           for j in range(job["batch"])]
     while any(not engine.requests[i].seqs[0].output_ids for i in ids):
         engine.step()  # every prompt prefilled
     for _ in range(5):
         engine.step()  # warm-up
-    barrier.wait(timeout=120)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    q.put(statistics.median(times))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if json.loads(line).get("stop"):
+            break
+        times = []
+        for _ in range(job["steps"]):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(json.dumps({"ms": statistics.median(times)}), flush=True)
+    return 0
 
 
-def measure_contention(cfg, log=print, batch: int = 8, ctx: int = 128) -> dict:
-    """Median decode step (batch x ctx) of one engine process alone, then of two stepping at once."""
-    import multiprocessing as mp
+def _ask(procs, msg: dict) -> list[dict]:
+    for p in procs:
+        p.stdin.write(json.dumps(msg) + "\n")
+        p.stdin.flush()
+    return [json.loads(p.stdout.readline() or "null") for p in procs]
 
-    spawn = mp.get_context("spawn")
 
-    def run(n: int) -> list[float]:
-        barrier, q = spawn.Barrier(n), spawn.Queue()
-        args = (cfg.model, cfg.block_size, batch, ctx, cfg.contention_steps, barrier, q)
-        procs = [spawn.Process(target=_decode_loop, args=args) for _ in range(n)]
+def measure_contention(cfg, log=print, batch: int = 8, ctx: int = 128, rounds: int = 3) -> dict:
+    """Median decode step (batch x ctx) of one engine process alone, then of two stepping at once,
+    alternated `rounds` times (the machine's other load moves: each pair is taken together);
+    contention = median of together / alone - 1. JSON lines over pipes, no pickle."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.profile_serving"], cwd=ROOT, env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
+    watchdog = threading.Timer(300.0, lambda: [p.kill() for p in procs])
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        job = {"model": cfg.model, "block_size": cfg.block_size, "batch": batch, "ctx": ctx,
+               "steps": cfg.contention_steps, "max_tokens": 2 * rounds * cfg.contention_steps + 16}
         for p in procs:
-            p.start()
-        try:
-            return [q.get(timeout=180) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.terminate()
-
-    alone = run(1)[0]
-    together = statistics.mean(run(2))
-    factor = max(0.0, together / alone - 1.0)
+            p.stdin.write(json.dumps(job) + "\n")
+            p.stdin.flush()
+        if not all(json.loads(p.stdout.readline() or "null") for p in procs):
+            raise RuntimeError("a contention process did not start")
+        pairs = []
+        for _ in range(rounds):
+            alone = _ask(procs[:1], {"run": True})[0]["ms"]
+            pairs.append((alone, statistics.mean(r["ms"] for r in _ask(procs, {"run": True}))))
+    finally:
+        watchdog.cancel()
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.stdin.write(json.dumps({"stop": True}) + "\n")
+                p.stdin.close()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    alone = statistics.median(a for a, _ in pairs)
+    together = statistics.median(t for _, t in pairs)
+    factor = max(0.0, statistics.median(t / a for a, t in pairs) - 1.0)
     log(f"  contention: decode step {batch}x{ctx} alone {alone:.2f} ms, two at once {together:.2f} ms "
-        f"-> contention {factor:.2f}")
+        f"({rounds} alternations) -> contention {factor:.2f}")
     return {"batch": batch, "context_tokens": ctx, "alone_step_ms": alone, "together_step_ms": together,
-            "contention": factor}
+            "rounds": [{"alone_ms": a, "together_ms": t} for a, t in pairs], "contention": factor}
+
+
+if __name__ == "__main__":
+    sys.exit(_contention_child())

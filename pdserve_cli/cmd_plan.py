@@ -94,9 +94,8 @@ def run(args) -> int:
     result = plan(at, model, args.budget, sorted(args.rates), target, base, median_prompt)
     threshold = {"local_prefill_max_tokens": local_max, "profile_crossover": model.crossover_tokens}
     print(f"SLO: TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms, attainment {args.attainment:.0%}; "
-          f"contention {model.contention:g}; serving overhead per request / token: colocated "
-          f"{model.overhead_colocated_ms:.1f} / {model.token_overhead_colocated_ms:.2f} ms, disaggregated "
-          f"{model.overhead_disaggregated_ms:.1f} / {model.token_overhead_disaggregated_ms:.2f} ms"
+          f"contention {model.contention:g}; serving path: colocated {model.colocated.describe()}; "
+          f"disaggregated {model.disaggregated.describe()}"
           + (f", extra {args.overhead_ms:g} ms" if args.overhead_ms else ""))
     print(format_plan(result, threshold))
     out = to_json(result, threshold, {"profile": args.profile, "rates": list(args.rates), "slo": vars(slo),
@@ -107,7 +106,7 @@ def run(args) -> int:
 
         v = run_validate(model, args.rates, args.validate_requests, slo, model.contention or 1.0,
                          log=lambda m: print(m, flush=True))
-        print("\nvalidation: measured / predicted (contention 0) / predicted (contention c), ms and req/s")
+        print("\nvalidation (bench serve here, beside the model), ms and req/s")
         print(format_validate(v))
         out["validate"] = v
     if args.json:

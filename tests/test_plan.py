@@ -4,6 +4,8 @@ long prompts' chunks stretch the decode steps they share under a tight TPOT SLO)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.plan.des import SimConfig, simulate
@@ -13,15 +15,17 @@ from bench.plan.workload import Req, from_distributions, parse_dist
 from bench.serve_metrics import SLO
 
 
-def test_single_request_ttft_is_prefill_plus_migration():
+def test_single_request_first_token_at_prefill_then_migration():
     m = synthetic(prefill_fixed_ms=2.0, prefill_ms_per_token=0.05, decode_fixed_ms=1.0, decode_ms_per_seq=0.5,
                   migration_fixed_ms=3.0, migration_ms_per_token=0.01)
     (o,) = simulate([Req(0, 0.0, 100, 5)], m, SimConfig(prefill=1, decode=1))
     assert o.path == "disaggregate"
-    assert (o.first_s * 1e3) == pytest.approx(m.prefill_ms(100) + m.migration_ms(100))
-    assert m.prefill_ms(100) + m.migration_ms(100) == pytest.approx(2 + 5 + 3 + 1)
+    # the prefill worker streams the first token at once; the KV then migrates (3 + 1 ms) before
     # four more tokens, one decode step (batch 1) each
-    assert (o.end_s - o.first_s) * 1e3 == pytest.approx(4 * 1.5)
+    assert o.first_s * 1e3 == pytest.approx(m.prefill_ms(100)) == pytest.approx(2 + 5)
+    assert (o.end_s - o.first_s) * 1e3 == pytest.approx(m.migration_ms(100) + 4 * 1.5)
+    (one,) = simulate([Req(0, 0.0, 100, 1)], m, SimConfig(prefill=1, decode=1))  # max_tokens=1: no migration
+    assert one.end_s == one.first_s == pytest.approx(7e-3)
     (c,) = simulate([Req(0, 0.0, 100, 5)], m, SimConfig(colocated=1))
     assert c.first_s * 1e3 == pytest.approx(7.0)
 
@@ -32,8 +36,8 @@ def test_serving_overheads_are_added():
                   migration_fixed_ms=3.0, migration_ms_per_token=0.01, request_overhead_ms=10.0,
                   token_overhead_ms=2.0)
     (o,) = simulate([Req(0, 0.0, 100, 5)], m, SimConfig(prefill=1, decode=1))
-    assert o.first_s * 1e3 == pytest.approx(m.prefill_ms(100) + m.migration_ms(100) + 10.0)
-    assert (o.end_s - o.first_s) * 1e3 == pytest.approx(4 * (1.5 + 2.0))
+    assert o.first_s * 1e3 == pytest.approx(m.prefill_ms(100) + 10.0)
+    assert (o.end_s - o.first_s) * 1e3 == pytest.approx(m.migration_ms(100) + 4 * (1.5 + 2.0))
     prof = {"fits": {"prefill_fixed_ms": 1, "prefill_ms_per_token": 0, "decode_step_fixed_ms": 1,
                      "decode_ms_per_sequence": 0, "migration_fixed_ms": 0, "migration_ms_per_byte": 0,
                      "request_overhead_ms": {"colocated": 4.0, "disaggregated": 9.0},
@@ -71,8 +75,9 @@ def _plan(model, prompt, output, slo, rates, n=40):
 
 
 def test_short_prompts_do_not_disaggregate_migration_dominates():
-    # 32-token prompts prefill in 1.3 ms; a migration costs 30 ms, beyond the 20 ms TTFT SLO
-    m = synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.01, migration_fixed_ms=30.0)
+    # 32-token prompts prefill in 1.3 ms; a migration costs 200 ms: the second of 16 tokens comes
+    # 200 ms after the first, so TPOT > 200 / 15 ms, beyond the 10 ms TPOT SLO
+    m = synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.01, migration_fixed_ms=200.0)
     res = _plan(m, parse_dist("fixed:32"), parse_dist("fixed:16"), SLO(ttft_ms=20, tpot_ms=10), (5.0, 20.0))
     v = res["verdict"]
     assert not v["disaggregate"] and v["reason_kind"] == "migration_cost", v
@@ -95,3 +100,122 @@ def test_long_prompts_tight_tpot_disaggregate_interference():
     assert res["best"].startswith("1P+1D")
     colo = next(r for r in res["rows"] if r["config"] == "colocated 2")
     assert colo["points"][-1]["tpot_misses"] > colo["points"][-1]["ttft_misses"]
+
+
+def test_fit_ttft_recovers_a_per_token_and_cold_term():
+    from bench.plan.serving import ServingPath, fit_ttft
+
+    truth = ServingPath(request_ms=3.0, request_ms_per_token=0.004, request_ms_per_prompt_token=0.002,
+                        cold_ms=6.0, cold_tau_ms=40.0)
+    rows = []
+    for tokens, computed in ((16, 16), (128, 128), (512, 512), (1024, 1024), (512, 16), (1024, 16)):
+        for gap in (0.0, 20.0, 60.0, 300.0):
+            for jitter in (-0.2, 0.0, 0.2):
+                idle = 1.0 if gap == 0 else gap + 5.0
+                rows.append({"tokens": tokens, "computed": computed, "gap_ms": gap, "idle_ms": idle,
+                             "resid_ms": truth.ttft_ms(computed, tokens, idle) + jitter})
+    rows.append({"tokens": 16, "gap_ms": 0.0, "idle_ms": 1.0, "resid_ms": 90.0})  # a descheduled one
+    f = fit_ttft(rows)
+    assert f["request_ms"] == pytest.approx(3.0, abs=0.3)
+    assert f["request_ms_per_token"] == pytest.approx(0.004, abs=3e-4)
+    assert f["request_ms_per_prompt_token"] == pytest.approx(0.002, abs=3e-4)
+    assert f["cold_ms"] == pytest.approx(6.0, abs=0.3) and f["cold_tau_ms"] == 40.0
+    # no idle spread and a falling residual: no cold term, the per-token slope clamped to 0
+    flat = fit_ttft([{"tokens": t, "gap_ms": 0.0, "idle_ms": 1.0, "resid_ms": 5.0 - 0.001 * t}
+                     for t in (16, 512)])
+    assert flat["cold_ms"] == 0.0
+    assert flat["request_ms_per_token"] == flat["request_ms_per_prompt_token"] == 0.0
+    assert flat["request_ms"] == pytest.approx(5.0 - 0.001 * 264)
+
+
+def test_profiles_with_older_or_no_serving_fields_load():
+    base = {"prefill_fixed_ms": 1, "prefill_ms_per_token": 0, "decode_step_fixed_ms": 1,
+            "decode_ms_per_sequence": 0, "migration_fixed_ms": 0, "migration_ms_per_byte": 0}
+    none = from_profile({"fits": base})  # --no-serving
+    assert none.serving("colocated").ttft_ms(500, 500, 1e9) == 0.0
+    old = from_profile({"fits": {**base, "request_overhead_ms": {"colocated": 4.0, "disaggregated": None},
+                                 "token_overhead_ms": {"colocated": 0.5}}})
+    assert old.serving("colocated").ttft_ms(500, 500, 1e9) == 4.0
+    assert old.token_overhead_ms("colocated") == 0.5
+    assert old.serving("disaggregated").ttft_ms(500, 500, 1e9) == 0.0
+    new = from_profile({"fits": {**base, "request_overhead_ms": {"colocated": 99.0}, "serving": {
+        "colocated": {"request_ms": 2.0, "request_ms_per_token": 0.01, "token_ms": 0.3, "cold_ms": 5.0,
+                      "cold_tau_ms": 50.0, "rms_ms": 0.4}}}})
+    c = new.serving("colocated")  # the new fields win over the older constant; extra keys ignored
+    assert c.ttft_ms(100, 400, 0.0) == pytest.approx(3.0) and c.ttft_ms(100, 400, 1e9) == pytest.approx(8.0)
+    assert new.overhead_colocated_ms == 2.0 and new.token_overhead_colocated_ms == 0.3
+
+
+def test_cold_cost_after_idle_and_per_computed_token():
+    from bench.plan.serving import ServingPath
+
+    path = ServingPath(request_ms=1.0, request_ms_per_token=0.1, request_ms_per_prompt_token=0.01,
+                       cold_ms=10.0, cold_tau_ms=1e-9)
+    m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=0.1, decode_fixed_ms=1.0, decode_ms_per_seq=0.0,
+                  serving=path)
+    # 0: first (idle since ever: cold); 1: while 0 decodes (warm); 2: after a long idle (cold),
+    # sharing 0's 32-token prefix: only its 16 computed tokens pay per token
+    reqs = [Req(0, 0.0, 48, 20, "x", 32), Req(1, 0.005, 16, 2), Req(2, 5.0, 48, 2, "x", 32)]
+    a, b, c = simulate(reqs, m, SimConfig(colocated=1))
+    ttft = [(o.first_s - o.req.arrival_s) * 1e3 for o in (a, b, c)]
+    assert a.idle_ms == float("inf") and b.idle_ms == 0.0 and c.idle_ms > 4000
+    assert c.computed_tokens == 16 and a.computed_tokens == 48
+    assert ttft[0] == pytest.approx(4.8 + 1.0 + 4.8 + 0.48 + 10.0)
+    assert ttft[2] == pytest.approx(1.6 + 1.0 + 1.6 + 0.48 + 10.0)
+    assert ttft[1] < 1.0 + 1.6 + 1.0 + 0.16 + 5.0  # no cold part (queued behind a decode step at most)
+
+
+def test_least_loaded_routing_and_local_prefill_pays_the_colocated_path():
+    from bench.plan.serving import ServingPath
+
+    m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=1.0, migration_fixed_ms=1.0)
+    m = replace(m, colocated=ServingPath(request_ms=2.0), disaggregated=ServingPath(request_ms=7.0))
+    # least loaded (ClusterConfig's default): the engine with more free blocks, not the one caching
+    # the prefix (engine 0, still decoding request 0); prefix_aware: the cached one
+    reqs = [Req(0, 0.0, 64, 1500, "x", 48), Req(1, 1.0, 64, 2, "x", 48)]
+    ll = simulate(reqs, m, SimConfig(colocated=2, num_blocks=256))
+    pa = simulate(reqs, m, SimConfig(colocated=2, num_blocks=256, routing="prefix_aware"))
+    assert (ll[1].computed_tokens, pa[1].computed_tokens) == (64, 16)
+    assert (ll[1].first_s - 1.0) * 1e3 > (pa[1].first_s - 1.0) * 1e3 + 40
+    auto = SimConfig(prefill=1, decode=1, decide="auto")
+    out = simulate([Req(0, 0.0, 20, 2), Req(1, 1.0, 400, 2)], m, auto)
+    assert [o.path for o in out] == ["local_prefill", "disaggregate"]
+    assert out[0].first_s * 1e3 == pytest.approx(20 + 2.0)
+    assert (out[1].first_s - 1.0) * 1e3 == pytest.approx(400 + 7.0)
+
+
+def test_routing_reads_the_last_report_and_the_loop_occupies_the_engine():
+    m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=0.1, decode_fixed_ms=1.0, decode_ms_per_seq=0.0,
+                  token_overhead_ms=2.0)
+    # two requests at the same instant: the router has no report of the first yet, so both go to
+    # the first engine (a tie), and the second waits for the first's 100 ms prefill
+    a, b = simulate([Req(0, 0.0, 1000, 2), Req(1, 0.0, 10, 2)], m, SimConfig(colocated=2))
+    assert b.first_s * 1e3 == pytest.approx(100 + 1.0)
+    # later, the first engine's report shows it holding blocks: the next goes to the second engine
+    c = simulate([Req(0, 0.0, 1000, 50), Req(1, 0.2, 10, 2)], m, SimConfig(colocated=2))[1]
+    assert (c.first_s - 0.2) * 1e3 == pytest.approx(1.0)
+    # the per-token cost is the decoding loop's own time: each decode step takes 1 + 2 ms, and a
+    # prompt arriving mid-step waits for it, then shares the next step (1 + 10 * 0.1 + 2 ms)
+    (d,) = simulate([Req(0, 0.0, 10, 5)], m, SimConfig(colocated=1))
+    assert (d.end_s - d.first_s) * 1e3 == pytest.approx(4 * 3.0)
+    e = simulate([Req(0, 0.0, 10, 5), Req(1, 0.0015, 10, 2)], m, SimConfig(colocated=1))[1]
+    assert (e.first_s - 0.0015) * 1e3 == pytest.approx((4.0 - 1.5) + (1.0 + 1.0 + 2.0))
+
+
+def test_validate_ranking_pairs_and_errors():
+    from bench.plan.validate import _err, _pairs
+
+    pairs = _pairs({"a": 10.0, "b": 9.0, "c": 9.9}, {"a": 5.0, "b": 6.0, "c": 4.0})
+    assert [(p["pair"], round(p["measured_gap"], 2), p["same_order"]) for p in pairs] == [
+        (["a", "b"], 0.1, False), (["a", "c"], 0.01, True), (["b", "c"], -0.09, False)]
+    assert _err(12.5, 10.0) == pytest.approx(0.25) and _err(None, 1.0) is None and _err(1.0, 0.0) is None
+
+
+def test_serving_stretch_from_free_cores():
+    fits = {"prefill_fixed_ms": 1, "prefill_ms_per_token": 0, "decode_step_fixed_ms": 1,
+            "decode_ms_per_sequence": 0, "migration_fixed_ms": 0, "migration_ms_per_byte": 0}
+    quiet = from_profile({"fits": {**fits, "contention": 0.0}, "machine": {"cores": {"affinity": 2}}})
+    assert quiet.free_cores() == 2 and [quiet.serving_stretch(k) for k in (0, 1, 2, 3)] == [1, 1, 1.5, 2]
+    busy = replace(quiet, contention=1.0)  # two engines ran twice as slow as one: one core was free
+    assert busy.free_cores() == 1 and [busy.serving_stretch(k) for k in (0, 1, 2)] == [1, 2, 3]
+    assert from_profile({"fits": fits}).serving_stretch(5) == 1.0  # cores unknown: no stretch

@@ -2,8 +2,9 @@
 profile` JSON, that predicts TTFT/TPOT percentiles and goodput for a workload under SLOs and
 searches configurations (colocated K; P prefill + D decode, with and without per-request
 decisions) within a worker budget. One job per module: `model` (step and migration times from
-the profile), `workload` (trace or distributions -> requests), `engine` (one simulated engine:
-queues, chunked steps, memory through the real kvcache BlockAllocator), `des` (the event loop,
-routing, coordinator.decide, migrations), `metrics`, `search` (configurations, rates, verdict),
-`report` (text, JSON, plot) and `validate` (predicted beside `bench serve` measured).
+the profile), `serving` (the serving path's cost per configuration kind, and its fit),
+`workload` (trace or distributions -> requests), `engine` (one simulated engine: queues, chunked
+steps, memory through the real kvcache BlockAllocator), `des` (the event loop, routing,
+coordinator.decide, migrations), `metrics`, `search` (configurations, rates, verdict), `report`
+(text, JSON, plot) and `validate` (predicted beside `bench serve` measured).
 """

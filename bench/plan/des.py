@@ -1,17 +1,20 @@
 """The discrete-event simulation of one serving configuration. Events: arrivals, engine step ends,
-migration ends. At an arrival the coordinator routes (prefix-aware, then most free blocks, then the
-shortest queue, as coordinator.router) and, with prefill workers, asks coordinator.decide (the
-real policy, not a copy) where to prefill: on a prefill worker (then, after its last chunk, the
-decode worker reserves blocks and the KV migrates: the uncached part of the prompt, whole after
-the prefill, from the profile's migration fit) or on the decode worker itself. A request that
-could never fit an engine's pool is refused (it counts against goodput). The first token is out
-when the prefill ends (colocated, local) or when the migration lands (disaggregated); every
-further token at the end of a decode step that carried it. The serving path's cost is added
-afterwards: the model's `request_overhead_ms(kind)` plus `overhead_ms` (an extra, from the
-command line) to every TTFT, its `token_overhead_ms(kind)` to every later token's interval (kind:
-'colocated' or 'disaggregated', the configuration's, whatever path a request took).
-Idle engines start a step whenever they have work; an engine stepping while others step is
-stretched by the model's `contention`.
+migration ends. At an arrival the coordinator routes as coordinator.router does, on what each
+engine last reported (its state after its last step), with the configured policy (`least_loaded`,
+ClusterConfig's default: most free or cached blocks, then shortest queue, the first on a tie;
+`prefix_aware`: the longest cached prefix first; decode engines always least loaded) and, with
+prefill workers, asks coordinator.decide (the real policy) where to prefill: on a prefill worker
+(then the decode worker reserves blocks and the KV migrates, the uncached part, whole after the
+prefill, from the profile's migration fit) or on the decode worker itself. A request that could
+never fit an engine's pool is refused. The first token is out when the prefill ends, wherever it
+ran (a prefill worker streams it before the KV leaves); a migrated request's next one after the
+first decode step past its landing; every further one at the end of a decode step carrying it. A
+step that decodes also takes its worker loop's own time (the serving path's `token_ms` of the
+configuration's kind); an engine stepping while others step is stretched by the `contention`.
+Afterwards every TTFT gets the serving path of the path the request took (migrated:
+'disaggregated'; prefilled where it decodes: 'colocated'): `ttft_ms(computed tokens, prompt
+tokens, idle)` (idle: how long nothing had stepped or migrated when it arrived), times the
+model's `serving_stretch(engines busy then)`, plus `overhead_ms` (an extra, from the command line).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class SimConfig:
     local_prefill_max_waiting: int = 4
     prefill_ms_per_token: float = 0.0
     overhead_ms: float = 0.0
+    routing: str = "least_loaded"  # coordinator.router's policy of the prefill / colocated engines
 
     @property
     def label(self) -> str:
@@ -64,6 +68,9 @@ class Outcome:
     reason_kind: str = ""
     first_s: float | None = None
     end_s: float | None = None
+    idle_ms: float = 0.0         # how long the cluster had been idle when it arrived
+    busy_engines: int = 0        # engines stepping when it arrived
+    computed_tokens: int = 0     # prompt tokens its prefill computed (cached ones excluded)
 
 
 def _engines(c: SimConfig) -> list[SimEngine]:
@@ -72,8 +79,12 @@ def _engines(c: SimConfig) -> list[SimEngine]:
             for role, n in spec for i in range(n)]
 
 
-def _pick(engines: list[SimEngine], req: Req) -> SimEngine:
-    return max(engines, key=lambda e: (e.cached_tokens(req), e.alloc.num_available, -e.load))
+def _pick(engines: list[SimEngine], req: Req, routing: str = "least_loaded") -> SimEngine:
+    """As coordinator.router, on what each engine last reported (its blocks and queue after its
+    last step), not its state now: requests arriving within one step of each other see the same."""
+    if routing == "prefix_aware":
+        return max(engines, key=lambda e: (e.cached_tokens(req), *e.reported))
+    return max(engines, key=lambda e: e.reported)
 
 
 class Simulation:
@@ -88,6 +99,11 @@ class Simulation:
                                           config.prefill_ms_per_token)
         self.migrations: list[float] = []
         self.now, self._seq, self._events = 0.0, itertools.count(), []
+        self._last_active, self._moving = float("-inf"), 0  # last event time; migrations in flight
+        # a decoding worker loop's own work per iteration (reports, stats, KV polls): the profile's
+        # per-token serving cost, measured at batch 1 where one iteration is one token
+        self._loop_ms = model.serving("colocated" if config.colocated else "disaggregated").token_ms
+        self._after_step: list[SimEngine] = []
         self.target: dict[int, SimEngine] = {}    # request -> decode engine of a disaggregated request
         self._lease: dict[int, tuple[SimEngine, Job]] = {}  # import job -> (prefill engine, its job)
         for r in reqs:
@@ -99,8 +115,10 @@ class Simulation:
     # ---- arrivals ------------------------------------------------------------------------
     def _arrive(self, req: Req) -> None:
         o, tokens = self.out[req.index], req.prompt_tokens + req.output_tokens
+        o.busy_engines = sum(e.busy for e in self.engines)
+        o.idle_ms = 0.0 if self._moving or o.busy_engines else self.now - self._last_active
         if self.c.colocated:
-            e = _pick(self.by_role["colocated"], req)
+            e = _pick(self.by_role["colocated"], req, self.c.routing)
             if not e.fits(tokens):
                 o.path = "refused"
                 return
@@ -108,8 +126,7 @@ class Simulation:
             e.waiting.append(Job(req, tokens))
             return
         d = _pick(self.by_role["decode"], req)
-        p = min(self.by_role["prefill"],
-                key=lambda e: (-e.cached_tokens(req), len(e.waiting) + len(e.prefilling)))
+        p = _pick(self.by_role["prefill"], req, self.c.routing)
         mean_mig = sum(self.migrations) / len(self.migrations) if self.migrations else None
         dec = decide(DecideInputs(req.prompt_tokens, d.cached_tokens(req), len(p.waiting),
                                   len(d.waiting) + len(d.importing), mean_mig), self.decide_config)
@@ -134,8 +151,9 @@ class Simulation:
             if plan.empty:
                 continue
             others = sum(x.busy for x in self.engines if x is not e)
+            loop = self._loop_ms if plan.decode else 0.0
             ms = self.model.step_ms(len(plan.decode), sum(j.context for j in plan.decode),
-                                    sum(t for _, t in plan.chunks), others)
+                                    sum(t for _, t in plan.chunks), others, loop)
             e.busy = True
             self._push(self.now + ms, "step", (e, plan))
 
@@ -145,11 +163,13 @@ class Simulation:
             job = d.importing.popleft()
             ms = self.model.migration_ms(job.req.prompt_tokens - job.cached_tokens)
             self.migrations.append(ms)
+            self._moving += 1
             self._push(self.now + ms, "migrated", (d, job))
 
     def _first_token(self, e: SimEngine, job: Job) -> None:
         o = self.out[job.req.index]
-        o.first_s = self.now / 1e3
+        if o.first_s is None:  # a migrated request's came from its prefill worker already
+            o.first_s = self.now / 1e3
         job.generated = 1
         if job.req.output_tokens == 1:
             o.end_s = o.first_s
@@ -159,6 +179,7 @@ class Simulation:
 
     def _step_end(self, e: SimEngine, plan) -> None:
         e.busy = False
+        self._after_step.append(e)
         for job in plan.decode:
             job.generated += 1
             if job.generated >= job.req.output_tokens:
@@ -171,7 +192,14 @@ class Simulation:
                 continue
             e.prefilling.remove(job)
             e.register_prefix(job)
-            if e.role == "prefill":
+            self.out[job.req.index].computed_tokens = job.req.prompt_tokens - job.cached_tokens
+            if e.role == "prefill":  # the first token streams from here at once (prefill_worker.handler)
+                o = self.out[job.req.index]
+                o.first_s = self.now / 1e3
+                if job.req.output_tokens == 1:  # done here: nothing migrates
+                    o.end_s = o.first_s
+                    e.release(job)
+                    continue
                 d = self.target[job.req.index]
                 imp = Job(job.req, job.req.prompt_tokens + job.req.output_tokens)
                 d.importing.append(imp)
@@ -180,6 +208,7 @@ class Simulation:
                 self._first_token(e, job)
 
     def _migrated(self, d: SimEngine, job: Job) -> None:
+        self._moving -= 1
         src, src_job = self._lease.pop(id(job))
         src.release(src_job)          # the prefill worker's lease ends when the import committed
         d.register_prefix(job)
@@ -194,15 +223,19 @@ class Simulation:
                 self._step_end(*data)
             else:
                 self._migrated(*data)
+            self._last_active = self.now
             self._kick()
-        kind = "colocated" if self.c.colocated else "disaggregated"
-        shift = (self.c.overhead_ms + self.model.request_overhead_ms(kind)) / 1e3  # the stream starts later
-        per_token = self.model.token_overhead_ms(kind) / 1e3  # and every later token comes later still
+            for e in self._after_step:  # its report: the state after the step, the next step planned
+                e.report()
+            self._after_step.clear()
         for o in self.out.values():
-            if o.first_s is not None:
+            if o.first_s is not None:  # the whole stream starts later
+                path = self.model.serving("disaggregated" if o.path == "disaggregate" else "colocated")
+                ms = path.ttft_ms(o.computed_tokens, o.req.prompt_tokens, o.idle_ms) \
+                    * self.model.serving_stretch(o.busy_engines)
+                shift = (self.c.overhead_ms + ms) / 1e3
                 o.first_s += shift
-                late = shift + per_token * (o.req.output_tokens - 1)
-                o.end_s = None if o.end_s is None else o.end_s + late
+                o.end_s = None if o.end_s is None else o.end_s + shift
         return [self.out[i] for i in sorted(self.out)]
 
 

@@ -62,6 +62,11 @@ class SimEngine:
         self.running: list[Job] = []
         self.busy = False
         self.waited_for_memory = 0                 # admissions deferred because the pool was full
+        self.reported = (num_blocks, 0)            # (free or cached blocks, -queue) of its last report
+
+    def report(self) -> None:
+        """What the worker's report after a step tells the router (runtime.loop: every step)."""
+        self.reported = (self.alloc.num_available, -len(self.waiting))
 
     # ---- memory -------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:

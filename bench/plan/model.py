@@ -5,15 +5,14 @@ prompt alone) and decode fit (d0 + d_seq*B + d_ctx*C, refitted here from the raw
 squares on both variables where the profile varied both, else on B alone) share one fixed cost,
 since one forward pass carries both (Sarathi-style mixed steps). A migration of T tokens costs
 `m0 + m_byte * T * kv_bytes_per_token`. Negative fitted slopes (noise) are clamped to 0.
-`contention` is what the profile does not measure: the profile runs one engine alone, so when
-other engines of the same machine step at the same time, each step is stretched by
+When other engines of the same machine step at the same time, each step is stretched by
 `1 + contention * (other busy engines)` (0: engines never slow each other; 1: two engines on
-cores enough for one, as two workers on this 2-core machine); a profile that measured it
-(`fits.contention`: two engines stepping at once against one) supplies the default.
-The serving path (HTTP, coordinator, ZeroMQ, per-step reports, detokenizing, SSE) adds what the
-profile's serving part measured per configuration kind ('colocated', 'disaggregated'):
-`request_overhead_ms(kind)` to every TTFT and `token_overhead_ms(kind)` to every later token's
-interval (0 for a profile taken with --no-serving).
+cores enough for one); a profile that measured it (`fits.contention`: two engines stepping at once
+against one) supplies the default. The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
+detokenizing, SSE, the client) adds what the profile's serving part measured per configuration
+kind ('colocated', 'disaggregated'): a bench.plan.serving.ServingPath each (`serving(kind)`; all 0
+for a profile taken with --no-serving), its TTFT part stretched by `serving_stretch` when engines
+are busy (the free cores the contention implies, `cores` from the profile's machine).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from bench.plan.serving import ServingPath, from_fits
 
 
 @dataclass(frozen=True)
@@ -36,22 +37,48 @@ class StepModel:
     block_size: int = 16
     contention: float = 0.0     # step stretch per other engine busy at the same time (see module doc)
     crossover_tokens: int | None = None  # the profile's suggested local_prefill_max_tokens
-    overhead_colocated_ms: float = 0.0         # serving path, per request (TTFT) and per token
-    overhead_disaggregated_ms: float = 0.0
-    token_overhead_colocated_ms: float = 0.0
-    token_overhead_disaggregated_ms: float = 0.0
+    colocated: ServingPath = ServingPath()      # the serving path per configuration kind
+    disaggregated: ServingPath = ServingPath()
+    cores: int = 0              # the machine's (profile's machine.cores); 0: unknown, no serving stretch
+
+    def free_cores(self) -> float:
+        """Cores left to this cluster, as the contention measurement implies: two engines stepping
+        at once run 1 + contention times slower than one, so 2 / (1 + contention) cores were free
+        (all of them when contention is 0)."""
+        if self.contention <= 0:
+            return float(self.cores)
+        return min(float(self.cores), 2.0 / (1.0 + self.contention))
+
+    def serving_stretch(self, busy_engines: int) -> float:
+        """How much slower the serving path's CPU work runs with `busy_engines` engines stepping than
+        with none (what the profile measured): its process shares the free cores with them."""
+        if self.cores <= 0:
+            return 1.0
+        free = self.free_cores()
+        return max(1.0, (busy_engines + 1) / free) / max(1.0, 1.0 / free)
+
+    def serving(self, kind: str) -> ServingPath:
+        return self.colocated if kind == "colocated" else self.disaggregated
 
     def request_overhead_ms(self, kind: str) -> float:
-        return self.overhead_colocated_ms if kind == "colocated" else self.overhead_disaggregated_ms
+        """The serving path's fixed part of every TTFT (its per-token and cold parts: `serving`)."""
+        return self.serving(kind).request_ms
 
     def token_overhead_ms(self, kind: str) -> float:
-        colo = kind == "colocated"
-        return self.token_overhead_colocated_ms if colo else self.token_overhead_disaggregated_ms
+        return self.serving(kind).token_ms
 
-    def step_ms(self, batch: int, context: int, prefill_tokens: int, others_busy: int = 0) -> float:
+    # the fixed parts under their older names (pdserve_cli.cmd_plan prints them)
+    overhead_colocated_ms = property(lambda self: self.colocated.request_ms)
+    overhead_disaggregated_ms = property(lambda self: self.disaggregated.request_ms)
+    token_overhead_colocated_ms = property(lambda self: self.colocated.token_ms)
+    token_overhead_disaggregated_ms = property(lambda self: self.disaggregated.token_ms)
+
+    def step_ms(self, batch: int, context: int, prefill_tokens: int, others_busy: int = 0,
+                loop_ms: float = 0.0) -> float:
+        """One engine step, plus `loop_ms` of its worker loop's own work (see bench.plan.des)."""
         fixed = max(self.decode_fixed_ms if batch else 0.0, self.prefill_fixed_ms if prefill_tokens else 0.0)
         ms = fixed + self.decode_ms_per_seq * batch + self.decode_ms_per_ctx * context \
-            + self.prefill_ms_per_token * prefill_tokens
+            + self.prefill_ms_per_token * prefill_tokens + loop_ms
         return ms * (1.0 + self.contention * others_busy)
 
     def prefill_ms(self, tokens: int) -> float:
@@ -79,22 +106,24 @@ def from_profile(profile: dict, contention: float | None = None) -> StepModel:
     f = profile["fits"]
     if contention is None:
         contention = float(f.get("contention") or 0.0)
-    req, tok = f.get("request_overhead_ms") or {}, f.get("token_overhead_ms") or {}
-    over = [float(d.get(k) or 0.0) for d in (req, tok) for k in ("colocated", "disaggregated")]
     d0, ds, dc = _decode_fit(profile.get("decode", []), f)
+    cores = (profile.get("machine") or {}).get("cores") or {}
     pos = lambda x: max(0.0, float(x))  # noqa: E731  (noise can fit a negative slope)
     return StepModel(pos(f["prefill_fixed_ms"]), pos(f["prefill_ms_per_token"]), pos(d0), pos(ds), pos(dc),
                      pos(f["migration_fixed_ms"]), pos(f["migration_ms_per_byte"]),
                      float(f.get("kv_bytes_per_token") or 0.0),
                      int(profile.get("config", {}).get("block_size", 16)), contention,
-                     f.get("local_prefill_max_tokens"), *over)
+                     f.get("local_prefill_max_tokens"), from_fits(f, "colocated"),
+                     from_fits(f, "disaggregated"), int(cores.get("affinity") or cores.get("logical") or 0))
 
 
 def synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.01, decode_fixed_ms=1.0,
               decode_ms_per_seq=0.1, migration_fixed_ms=1.0, migration_ms_per_token=0.001,
-              block_size=16, contention=0.0, request_overhead_ms=0.0, token_overhead_ms=0.0) -> StepModel:
+              block_size=16, contention=0.0, request_overhead_ms=0.0, token_overhead_ms=0.0,
+              serving: ServingPath | None = None) -> StepModel:
     """A hand-written model (tests, what-ifs): migration given per token (1 byte per token); the
-    serving overheads the same for both kinds."""
+    serving path the same for both kinds (`serving`, else the two constants)."""
+    path = serving or ServingPath(request_ms=request_overhead_ms, token_ms=token_overhead_ms)
     return StepModel(prefill_fixed_ms, prefill_ms_per_token, decode_fixed_ms, decode_ms_per_seq, 0.0,
                      migration_fixed_ms, migration_ms_per_token, 1.0, block_size, contention, None,
-                     request_overhead_ms, request_overhead_ms, token_overhead_ms, token_overhead_ms)
+                     path, path)

@@ -6,8 +6,9 @@ moving parts (colocated first, then always before auto). The verdict compares th
 configuration with colocated K and names why, in a closed set of reasons: `prefill_interference`
 (colocated misses mostly TPOT: prefill chunks stretch the decode steps they share),
 `prefill_queueing` (colocated misses mostly TTFT), `migration_cost` (always-disaggregated sustains
-less, misses mostly TTFT, and one migration costs more than the prefill it moves; named even when
-'auto' ties colocated by prefilling locally), `no_gain` (the same goodput: keep the simpler one),
+less and one migration costs more than the prefill it moves: the first token streams from the
+prefill worker, so the migration delays the second, and TPOT; named even when 'auto' ties
+colocated by prefilling locally), `no_gain` (the same goodput: keep the simpler one),
 `capacity_split` (otherwise: the split starves one side).
 """
 
@@ -88,8 +89,7 @@ def verdict(rows: list[dict], model: StepModel, target: Target, median_prompt: i
     always = best([r for r in pd if r["sim"].decide == "always"])
     p = _first_failing(always, target.attainment)
     mig, pre = model.migration_ms(median_prompt), model.prefill_ms(median_prompt)
-    ttft_bound = p["ttft_misses"] >= p["tpot_misses"]
-    if always["sustained_rate"] < colo["sustained_rate"] and ttft_bound and mig > pre:
+    if always["sustained_rate"] < colo["sustained_rate"] and mig > pre:
         kind = "migration_cost"   # NOTE: before no_gain: 'auto' may tie by not disaggregating at all
     elif _score(top, 0)[:2] == _score(colo, 0)[:2]:
         kind = "no_gain"
