@@ -82,10 +82,11 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
 
 def kernels_loaded() -> dict:
     """Which compiled CPU libraries and packed-GEMM backends are usable in this process."""
-    from engine import cpu_attention, cpu_fused, cpu_gemm, cpu_lowp
+    from engine import cpu_attention, cpu_fused, cpu_gemm, cpu_gguf, cpu_lowp
 
     return {"paged_decode": cpu_attention.available(), "fused": cpu_fused.available(),
-            "lowp_gemv": cpu_lowp.available(), "onednn_packed": cpu_gemm.available()}
+            "lowp_gemv": cpu_lowp.available(), "gguf_gemv": cpu_gguf.available(),
+            "onednn_packed": cpu_gemm.available()}
 
 
 def engine_paths(engine) -> dict:

@@ -1,5 +1,10 @@
 """Weight formats against f32 on one model, behind `pdserve bench weights`.
 
+The formats: bf16 and int8 (the float32 weights rounded), gguf (the file's own Q4_1/Q8_0 blocks,
+whose values the float32 model already holds: it agrees with f32 up to summation order). The text
+pass is one prefill forward, on the float32 weights: for gguf, the same as f32's, so its top-1
+and perplexity equal f32's by construction; its greedy runs (decode rows) test its kernel.
+
 For each format (f32 first, as the reference) the model is loaded through the engine's loader and
 measured on four things. Agreement: greedy continuations of a few prompts, the first position
 where a format's tokens leave f32's (None: never within the budget), and top-1 agreement
@@ -103,7 +108,7 @@ def measure(weights: str, new_tokens: int, batch: int, reference: dict | None) -
     return out
 
 
-def run(formats: tuple[str, ...] = ("f32", "bf16", "int8"), new_tokens: int = 48, batch: int = 8,
+def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf"), new_tokens: int = 48, batch: int = 8,
         json_path: str | None = None) -> dict:
     from bench import machine
 

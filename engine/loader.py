@@ -51,10 +51,16 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
     backend: an AttentionBackend, a backend name ('torch', 'triton', 'auto') or None (auto).
     cpu_gemm: float32 on CPU, projections through oneDNN with packed weights (engine.cpu_gemm).
     cpu_fused: float32 on CPU, RMSNorm, rotary and SwiGLU through compiled kernels (engine.cpu_fused).
-    weights: float32 on CPU, the matrices' storage format (engine.weight_format: f32, bf16, int8).
+    weights: float32 on CPU, the matrices' storage format (engine.weight_format: f32, bf16, int8;
+    gguf for a GGUF model only: its own Q4_1/Q8_0 blocks).
     """
+    if weight_format.check_name(weights) == weight_format.GGUF and not is_gguf_spec(spec):
+        raise ValueError(f"--weights gguf computes on a GGUF file's own blocks, and model {spec!r} is "
+                         "not a GGUF file (a .gguf path or a shipped name such as smollm2); choose f32, "
+                         "bf16 or int8")
     device = torch.device(device)
     run_dtype = resolve_dtype(device, dtype)
+    blocks = None  # --weights gguf: the file's raw blocks by checkpoint_views name
     if not isinstance(backend, AttentionBackend):
         backend = get_backend(backend, device)
     if spec == "tiny":
@@ -69,6 +75,10 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         model = _empty_model(config, backend, device, run_dtype)
         load_weights(model, ((name, torch.from_numpy(array)) for name, array in gguf_file.tensors()),
                      label=os.path.basename(gguf_file.path))
+        if weights == weight_format.GGUF:
+            tied = config.tie_word_embeddings
+            blocks = {name: v for k, v in gguf_file.raw_blocks().items()
+                      if (name := _param_name(k, tied)) is not None}
         tokenizer = gguf_tokenizer(gguf_file, config)
     else:
         directory = spec
@@ -77,7 +87,7 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         load_weights(model, directory)
         tokenizer = load_tokenizer(directory, config)
     model.eval().requires_grad_(False)
-    weight_format.apply(model, weights)  # before packing: oneDNN packs the rounded weights
+    weight_format.apply(model, weights, blocks)  # before packing: oneDNN packs the rounded weights
     model.pack_cpu_gemm(cpu_gemm)  # a no-op off CPU float32
     model.use_cpu_fused(cpu_fused)  # likewise
     config = dataclasses.replace(config, dtype=dtype_name(run_dtype))

@@ -1,4 +1,4 @@
-"""Weight formats (`--weights f32|bf16|int8`): how a loaded float32 CPU model stores its matrices.
+"""Weight formats (`--weights f32|bf16|int8|gguf`): how a loaded float32 CPU model stores its matrices.
 
 `f32` leaves the model as loaded (the transformers-equality tests' format). `bf16` rounds every
 projection and the logits/embedding matrix to bfloat16; `int8` to symmetric int8 with one float32
@@ -6,9 +6,13 @@ scale per output row (engine.cpu_lowp.quantize_*). `apply(model, name)` writes t
 back into the float32 parameters (so embeddings, prefill rows through oneDNN and the model's
 identity hash all see the weights the format stands for) and gives each Projection, and the
 logits, a `LowpLinear` that decode-sized row counts run through: those read 2x or 4x fewer
-bytes. Call it after the weights are loaded and before `pack_cpu_gemm`. Without the compiled
-kernel the rounded float32 weights still apply (same numbers, float32 speed) and a warning says
-so. A format is one entry of FORMATS.
+bytes. `gguf` (a GGUF model only) keeps the file's own Q4_1/Q8_0 blocks (engine.gguf.raw_blocks,
+passed as `blocks`) for each matrix whose parts are all of one such type, in an
+engine.cpu_gguf.GgufLinear; the float32 parameters already hold exactly those blocks' values and
+stay as they are; matrices of other types fall back to bf16, with a logged note. Call it after
+the weights are loaded and before `pack_cpu_gemm`. Without the compiled kernel the rounded
+float32 weights still apply (same numbers, float32 speed) and a warning says so. A rounding
+format is one entry of FORMATS.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import cpu_lowp
+from engine import cpu_gguf, cpu_lowp
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +33,14 @@ FORMATS: dict[str, Quantizer | None] = {
     "bf16": cpu_lowp.quantize_bf16,
     "int8": cpu_lowp.quantize_int8,
 }
+GGUF = "gguf"  # the GGUF file's own blocks: not a rounding of the float32 weights
+NAMES = (*FORMATS, GGUF)
 DEFAULT = "f32"
 
 
 def check_name(name: str) -> str:
-    if name not in FORMATS:
-        raise ValueError(f"unknown weight format {name!r}; choose from {', '.join(FORMATS)}")
+    if name not in NAMES:
+        raise ValueError(f"unknown weight format {name!r}; choose from {', '.join(NAMES)}")
     return name
 
 
@@ -48,19 +54,23 @@ def _round(param: torch.Tensor, quantize: Quantizer, kernel: bool,
     return cpu_lowp.LowpLinear(stored, scale, bias) if kernel else None
 
 
-def apply(model, name: str) -> dict:
+def apply(model, name: str, blocks: dict | None = None) -> dict:
     """Store `model`'s (a float32 CPU engine.model.LlamaModel) matrices in format `name`.
+    blocks: for `gguf`, engine.gguf.GGUFFile.raw_blocks keyed by checkpoint_views names.
     Returns {'format', 'kernel', 'weight_bytes'}: weight_bytes is what one decode step through
     the kernel reads from the matrices (float32 bytes for f32 or without the kernel)."""
     from engine.cpu_gemm import Projection
 
-    quantize = FORMATS[check_name(name)]
+    if check_name(name) == GGUF:
+        if blocks is None:
+            raise ValueError("--weights gguf computes on a GGUF file's own blocks: load a GGUF model "
+                             "(a .gguf path or a shipped name such as smollm2), or choose f32, bf16 or int8")
+        _check_cpu_float32(model, name)
+        return _apply_gguf(model, blocks)
+    quantize = FORMATS[name]
     if quantize is None:
         return {"format": name, "kernel": False, "weight_bytes": decode_weight_bytes(model)}
-    weight = model.embed_tokens.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"--weights {name} applies to float32 models on CPU (this one is {weight.dtype} on "
-                         f"{weight.device.type}); on GPUs choose --dtype instead")
+    _check_cpu_float32(model, name)
     kernel = cpu_lowp.available()
     if not kernel:
         log.warning("weights %s: no compiled gemv kernel; the rounded weights run in float32", name)
@@ -72,6 +82,59 @@ def apply(model, name: str) -> dict:
     else:
         model.logits_lowp = model.lm_head.lowp
     return {"format": name, "kernel": kernel, "weight_bytes": decode_weight_bytes(model)}
+
+
+def _apply_gguf(model, blocks: dict) -> dict:
+    """`gguf`: each Projection (and tied logits) whose parts' blocks are all of one kernel type
+    gets a GgufLinear over their rows stacked in parameter order; the rest round to bf16."""
+    from engine.cpu_gemm import Projection
+
+    kernel, lowp_kernel = cpu_gguf.available(), cpu_lowp.available()
+    if not kernel:
+        log.warning("weights gguf: no compiled GGUF block kernel; the same weights run in float32")
+    parts: dict[int, list[tuple[int, str]]] = {}  # weight storage -> (row offset, checkpoint name)
+    for key, view in model.checkpoint_views().items():
+        if key.endswith(".weight"):
+            parts.setdefault(view.untyped_storage().data_ptr(), []).append((view.storage_offset(), key))
+    fallback: dict[str, str] = {}
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None):
+        names = [key for _, key in sorted(parts[weight.untyped_storage().data_ptr()])]
+        types = {blocks[k][0] if k in blocks else "absent" for k in names}
+        qtype = types.pop() if len(types) == 1 else None
+        if qtype in cpu_gguf.TYPES:
+            rows = torch.cat([torch.from_numpy(blocks[k][1]) for k in names])  # (N, bytes per row)
+            _verify(rows, qtype, weight.detach(), names[0])
+            return cpu_gguf.GgufLinear(rows, qtype, bias) if kernel else None
+        fallback[" + ".join(names)] = " + ".join(blocks[k][0] if k in blocks else "absent" for k in names)
+        return _round(weight, cpu_lowp.quantize_bf16, lowp_kernel, bias)
+
+    for module in model.modules():
+        if isinstance(module, Projection):
+            module.lowp = linear(module.weight, module.bias)
+    tied = model.lm_head is None
+    model.logits_lowp = linear(model.embed_tokens.weight, None) if tied else model.lm_head.lowp
+    if fallback:
+        log.warning("weights gguf: %d matrices are not all %s in the file; stored as bf16: %s", len(fallback),
+                    " or ".join(cpu_gguf.TYPES), "; ".join(f"{k} ({v})" for k, v in fallback.items()))
+    return {"format": GGUF, "kernel": kernel, "weight_bytes": decode_weight_bytes(model),
+            "fallback": fallback}
+
+
+def _verify(rows: torch.Tensor, qtype: str, weight: torch.Tensor, name: str) -> None:
+    """The blocks of some rows (every N/8th and the last) widen to exactly the loaded weights."""
+    n = rows.shape[0]
+    idx = torch.unique(torch.cat([torch.arange(0, n, max(1, n // 8)), torch.tensor([n - 1])]))
+    if tuple(rows.shape) != (weight.shape[0], cpu_gguf.row_bytes(qtype, weight.shape[1])) or not torch.equal(
+            cpu_gguf.dequantize(rows[idx], qtype), weight[idx]):
+        raise RuntimeError(f"the {qtype} blocks of {name} do not match its loaded float32 weights")
+
+
+def _check_cpu_float32(model, name: str) -> None:
+    weight = model.embed_tokens.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"--weights {name} applies to float32 models on CPU (this one is {weight.dtype} on "
+                         f"{weight.device.type}); on GPUs choose --dtype instead")
 
 
 def decode_weight_bytes(model) -> int:

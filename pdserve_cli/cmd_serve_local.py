@@ -51,7 +51,7 @@ def run(args) -> int:
         # steps paced to ~0.25 s (engine.step_pacer): a burst of long prompts cannot stall decoding
         cfg = EngineConfig(model=args.model, device=args.device, block_size=args.block_size,
                            num_blocks=args.num_blocks, scheduler=SchedulerConfig(step_target_s=0.25),
-                           weights=weights_arg.resolve(args.weights, args.device))
+                           weights=weights_arg.resolve(args.weights, args.device, args.model))
         backend = LocalEngineBackend(cfg, config=LocalBackendConfig(name=args.served_model_name))
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0])

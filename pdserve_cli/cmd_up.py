@@ -62,7 +62,8 @@ def add_arguments(p) -> None:
                    "local one")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default 2; ignored with --address)")
     api_key_args.add_arguments(p)
-    weights_arg.add_argument(p, "the config's engine.weights, else bf16 on CPU and f32 on GPUs")
+    weights_arg.add_argument(p, "the config's engine.weights, else on CPU gguf for GGUF models and "
+                                "bf16 for others; f32 on GPUs")
     p.add_argument("--max-active", type=int, help="completion requests in flight before new ones get 429 "
                    "with Retry-After (default 256)")
     p.add_argument("--max-waiting", type=int, help="requests waiting for decode room before new ones get "
@@ -121,7 +122,9 @@ def run(args) -> int:
             extras["engine"] = {**extras.get("engine", {}), "device": device}
         engine = extras.get("engine", {})
         if weights or "weights" not in engine:  # the flag, else the file's, else the device's default
-            extras["engine"] = {**engine, "weights": weights_arg.resolve(weights, engine.get("device"))}
+            models = (args.model, extras.get("decode_model"))
+            chosen = weights_arg.resolve(weights, engine.get("device"), *models)
+            extras["engine"] = {**engine, "weights": chosen}
     except (OSError, ValueError) as e:
         return _fail(str(e).splitlines()[0])
     except Exception as e:  # a YAML syntax error

@@ -1,27 +1,35 @@
 """The `--weights` flag of `serve`, `up`, `demo` and `generate` (torch-free: `up` never loads torch).
 
 Formats are engine.weight_format's: `f32` (float32 as loaded; the transformers-equality tests'
-format), `bf16` (matrices stored as bfloat16, float32 sums) and `int8` (per-output-row scale).
-`serve`, `up` and `demo` default to SERVING_DEFAULT on CPU, measured with `pdserve bench weights`
-on SmolLM2 (2 cores): bf16 keeps 99.4% top-1 agreement with f32 over the shipped text and
-perplexity within 0.1%, and decodes a single stream 1.4x faster; int8 is faster still (2.3x) but
-agrees on 95.6% of positions only, so it stays an opt-in. GPUs keep f32 (their dtype is --dtype).
-`generate` defaults to f32.
+format), `bf16` (matrices stored as bfloat16, float32 sums), `int8` (per-output-row scale) and
+`gguf` (a GGUF model's own Q4_1/Q8_0 blocks, computed on directly; other matrices bf16). `serve`,
+`up` and `demo` choose on CPU from `pdserve bench weights` on SmolLM2 (2 cores): a GGUF model gets
+`gguf`, which holds exactly the weights f32 holds (the file's blocks are what f32 dequantizes),
+so its greedy tokens equal f32's, while a decode step reads 96 MB instead of 538 and runs ~3x
+faster; any other model gets bf16 (99.4% top-1 agreement with f32, perplexity within 0.1%, 1.4x
+faster); int8 (2.3x) agrees on 95.6% of positions only, so it stays an opt-in. GPUs keep f32
+(their dtype is --dtype). `generate` defaults to f32.
 """
 
 from __future__ import annotations
 
-CHOICES = ("f32", "bf16", "int8")
-SERVING_DEFAULT = "bf16"
+CHOICES = ("f32", "bf16", "int8", "gguf")
+SERVING_DEFAULT = "bf16"  # on CPU, for a model that is not a GGUF file
 
 
-def add_argument(parser, default_help: str = "bf16 on CPU, f32 on GPUs") -> None:
+def add_argument(parser, default_help: str = "gguf for GGUF models, else bf16, on CPU; f32 on GPUs") -> None:
     parser.add_argument("--weights", choices=CHOICES, default=None,
                         help=f"how the engine stores its weight matrices (default: {default_help})")
 
 
-def resolve(flag: str | None, device: str | None) -> str:
-    """The flag if given, else the serving default for `device` (None: cpu)."""
+def resolve(flag: str | None, device: str | None, *models: str | None) -> str:
+    """The flag if given, else the serving default for `device` (None: cpu) and the --model
+    values the engines load (None entries ignored): gguf when every one is a GGUF file."""
+    from engine.gguf import is_gguf_spec
+
     if flag:
         return flag
-    return SERVING_DEFAULT if (device or "cpu") == "cpu" else "f32"
+    if (device or "cpu") != "cpu":
+        return "f32"
+    named = [m for m in models if m]
+    return "gguf" if named and all(map(is_gguf_spec, named)) else SERVING_DEFAULT
