@@ -10,7 +10,12 @@ tokens per prompt (EOS ignored); the report gives tokens/s, the ratio, the engin
 latency percentiles (all steps, steps carrying prefill tokens, decode-only steps), and how many
 prompts produced identical token ids on both sides. Each side gets one short untimed warm-up
 generation first; the engine's warm-up blocks are then evicted from its prefix cache, so the
-timed prompts find nothing cached. `write_random_llama` also gives the tests their checkpoints.
+timed prompts find nothing cached. `weights` picks the engine's weight format (f32 by default).
+On a GGUF model with llama-cpp-python installed, llama.cpp joins each repeat on the same file,
+prompts and threads (bench.llamacpp): all prompts batched in one context, then a single stream
+of the first prompt on both pdserve and llama.cpp; the report adds the pdserve/llama.cpp ratios
+(batched tokens/s, single-stream decode tokens/s); without it, one line says why not.
+`write_random_llama` also gives the tests their checkpoints.
 """
 
 from __future__ import annotations
@@ -77,14 +82,15 @@ def _warm_count(device: str, prompts: list) -> int:
 
 
 def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size: int,
-               max_batched_tokens: int, dtype: str, progress, device: str = "cpu") -> dict:
+               max_batched_tokens: int, dtype: str, progress, device: str = "cpu",
+               weights: str = "f32") -> dict:
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
     from engine.scheduler import SchedulerConfig
 
     blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts) + 16
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, block_size=block_size, num_blocks=blocks,
-                                 num_host_blocks=0, device=device,
+                                 num_host_blocks=0, device=device, weights=weights,
                                  scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     # warm-up, untimed; on cuda every prompt (kernels compile and libraries tune per shape)
@@ -154,11 +160,13 @@ def _vocab_size(model: str) -> int:
 def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = None,
         max_prompt: int | None = None, block_size: int = 16, seed: int = 0, repeats: int = 3,
         json_path: str | None = None, model: str = "tiny", preset: str = "short",
-        max_batched_tokens: int | None = None, dtype: str = "float32", device: str = "cpu") -> dict:
+        max_batched_tokens: int | None = None, dtype: str = "float32", device: str = "cpu",
+        weights: str = "f32", llamacpp: bool = True) -> dict:
     """Alternate engine and transformers runs `repeats` times; report medians and the median ratio.
     min_prompt/max_prompt override the preset's prompt lengths; max_batched_tokens None picks
     the model's default (DEFAULT_BUDGET). device: both sides' ('cuda': the engine's attention
-    backend resolves to Triton)."""
+    backend resolves to Triton). weights: the engine's weight format (engine.weight_format).
+    llamacpp: add llama.cpp on the same GGUF (bench.llamacpp) to each repeat when it can run."""
     from tqdm import tqdm
 
     low, high = PRESETS[preset]
@@ -170,6 +178,7 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
 
     where = describe()
     print(summary(where), flush=True)
+    load = {"start": os.getloadavg()}  # other processes share the CPU: the 1/5/15-minute load averages
     engine_runs, hf_runs = [], []
     with tempfile.TemporaryDirectory() as d:
         engine_model, hf_dir, gguf_file = resolve_model(model, d, seed)
@@ -179,31 +188,42 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
                    for _ in range(num_prompts)]
         print(f"model {model}; {num_prompts} prompts of {min_prompt}..{max_prompt} tokens, {max_tokens} new "
               f"tokens each, {dtype} on {device}, step budget {max_batched_tokens} tokens, torch threads "
-              f"{torch.get_num_threads()}, {repeats} alternating repeats")
+              f"{torch.get_num_threads()}, {repeats} alternating repeats; pdserve weights {weights}")
+        from bench import llamacpp as lcpp
+
+        base, note = lcpp.setup(model, device, dtype, prompts, max_tokens, weights, torch.get_num_threads()) \
+            if llamacpp else (None, "llama.cpp baseline: not asked for")
         for r in range(repeats):
             bar = tqdm(desc=f"[{r + 1}/{repeats}] pdserve engine steps", unit="step")
             tick = lambda n, b=bar: b.update(1)  # noqa: E731
             engine_runs.append(run_engine(engine_model, prompts, max_tokens, block_size, max_batched_tokens,
-                                          dtype, tick, device))
+                                          dtype, tick, device, weights))
             bar.close()
             print(f"[{r + 1}/{repeats}] transformers generate (one padded batch) ...", flush=True)
             hf_runs.append(run_hf(hf_dir, prompts, max_tokens, gguf_file, dtype, device))
             print(f"[{r + 1}/{repeats}] pdserve {engine_runs[-1]['tokens_per_s']:.0f} tok/s, "
                   f"transformers {hf_runs[-1]['tokens_per_s']:.0f} tok/s", flush=True)
+            if base:
+                base.repeat(r, repeats, lambda: run_engine(engine_model, prompts[:1], max_tokens, block_size,
+                                                           max_batched_tokens, dtype, lambda n: None, device,
+                                                           weights))
     same = sum(a == b for a, b in zip(engine_runs[0]["outputs"], hf_runs[0]["outputs"]))
+    llama = base.report(engine_runs, hf_runs[0]["outputs"]) if base else {"skipped": note}
     for x in engine_runs + hf_runs:
         x.pop("outputs")
     med = lambda runs: statistics.median(x["tokens_per_s"] for x in runs)  # noqa: E731
     ratios = [e["tokens_per_s"] / h["tokens_per_s"] for e, h in zip(engine_runs, hf_runs)]
     where["paths"] = engine_runs[0]["paths"]
+    where["load_average"] = {**load, "end": os.getloadavg()}
     result = {"machine": where, "config": {"model": model, "preset": preset, "num_prompts": num_prompts,
                          "max_tokens": max_tokens, "prompt_len": [min_prompt, max_prompt],
                          "block_size": block_size, "max_batched_tokens": max_batched_tokens, "dtype": dtype,
+                         "weights": weights,
                          "device": device, "torch_threads": torch.get_num_threads(), "repeats": repeats},
               "pdserve": {"tokens_per_s_median": med(engine_runs), "runs": engine_runs},
               "transformers": {"tokens_per_s_median": med(hf_runs), "runs": hf_runs},
               "speedup_vs_transformers": statistics.median(ratios), "ratios": ratios,
-              "identical_outputs": same, "num_prompts": num_prompts}
+              "identical_outputs": same, "num_prompts": num_prompts, "llamacpp": llama}
     e0 = sorted(engine_runs, key=lambda x: x["tokens_per_s"])[len(engine_runs) // 2]
     step, pre, dec = e0["step_ms"], e0["prefill_step_ms"], e0["decode_step_ms"]
     print(f"pdserve      median {med(engine_runs):9.1f} tok/s  (step p50 {step['p50']:.1f} ms, "
@@ -215,6 +235,10 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
     print(f"transformers median {med(hf_runs):9.1f} tok/s")
     print(f"median ratio {result['speedup_vs_transformers']:.2f}x (per repeat: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}); identical greedy outputs: {same}/{num_prompts}")
+    if base:
+        lcpp.show(llama)
+    print(f"load average (1, 5, 15 min) at start {', '.join(f'{x:.2f}' for x in load['start'])}, at end "
+          f"{', '.join(f'{x:.2f}' for x in where['load_average']['end'])} on {os.cpu_count()} cpus")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,10 +1,13 @@
-"""`pdserve bench engine`: engine tokens/s and step latency beside transformers `generate`."""
+"""`pdserve bench engine`: engine tokens/s and step latency beside transformers `generate`, and beside
+llama.cpp on the same GGUF when llama-cpp-python is installed (single stream and batched)."""
 
 from __future__ import annotations
 
+from pdserve_cli.weights_arg import CHOICES, SERVING_DEFAULT
+
 NAME = "engine"
 GROUP = "bench"
-HELP = "engine throughput vs Hugging Face transformers generate on the same checkpoint and prompts"
+HELP = "engine throughput vs Hugging Face transformers generate (and llama.cpp on a GGUF) on the same prompts"
 
 
 def add_arguments(p) -> None:
@@ -29,7 +32,14 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (medians reported)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads for both sides (default 1: steadier on small machines)")
+                   help="torch intra-op threads for both sides, and llama.cpp's threads (default 1: steadier "
+                        "on small machines)")
+    p.add_argument("--weights", choices=CHOICES, default="f32",
+                   help="pdserve's weight format on CPU (default f32, whose outputs equal transformers'; "
+                        f"serving defaults to {SERVING_DEFAULT} on CPU)")
+    p.add_argument("--no-llamacpp", action="store_true",
+                   help="leave llama.cpp out (it runs by default on a GGUF model when llama-cpp-python is "
+                        "installed: same file, prompts and threads)")
 
 
 def run(args) -> int:
@@ -42,5 +52,6 @@ def run(args) -> int:
     bench(num_prompts=args.num_prompts, max_tokens=args.max_tokens, min_prompt=args.min_prompt,
           max_prompt=args.max_prompt, block_size=args.block_size, seed=args.seed, repeats=args.repeats,
           json_path=args.json, model=args.model, preset=args.preset,
-          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype, device=args.device)
+          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype, device=args.device,
+          weights=args.weights, llamacpp=not args.no_llamacpp)
     return 0
