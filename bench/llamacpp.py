@@ -45,14 +45,6 @@ def unavailable(model: str, device: str, dtype: str) -> str | None:
     return None
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (None: equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def extra_buffers_work(gguf_path: str, threads: int) -> bool:
     """Whether llama.cpp survives a short single and batched decode with its extra weight buffer
     types, tried in a child process (`python -m bench.llamacpp GGUF THREADS`)."""
@@ -215,6 +207,8 @@ class Baseline:
     def report(self, engine_runs: list[dict], hf_outputs: list[list[int]]) -> dict:
         """The JSON section. engine_runs: bench engine's pdserve runs (alternating with these
         repeats, outputs still attached); hf_outputs: transformers' (float32) of the first repeat."""
+        from bench.weights import first_divergence
+
         self.runner.close()
         med, runs = statistics.median, self.runs
         ratio = lambda xs, ys, key: [x[key] / y[key] for x, y in zip(xs, ys)]  # noqa: E731

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from bench.netns import _harness
 from bench.serve import QUICK, ServeBenchConfig, bench_target
+from bench.serve_report import fmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ("two_nodes", "one_node")
@@ -126,7 +127,7 @@ def summary(report: dict) -> str:
             by_rate.setdefault(r["rate"], {})[lay["layout"]] = r
 
     def cell(v, w, d=1):
-        return f"{'-':>{w}}" if v is None else f"{v:{w}.{d}f}"
+        return f"{fmt(v, d):>{w}}"
 
     for rate, row in sorted(by_rate.items()):
         for layout, r in row.items():

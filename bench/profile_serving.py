@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.plan.serving import ServingPath, fit_ttft
+from bench.serve_report import fmt
 
 KINDS = {"colocated": "colocated", "disaggregated": "disaggregated"}  # kind -> bench serve mode
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,8 +194,8 @@ def measure_serving(cfg, model, log=print) -> dict:
                 srv.stop()
             f = o["fit"]
             path = ServingPath(**{k: f[k] for k in ServingPath.__dataclass_fields__})
-            log(f"  serving {kind}: {path.describe()} (rms {_fmt(f['rms_ms'])} ms; client share "
-                f"{_fmt(o['client_ms_p50'])} ms; worker engine x{_fmt(_ratio(o))} the model; "
+            log(f"  serving {kind}: {path.describe()} (rms {fmt(f['rms_ms'], 2)} ms; client share "
+                f"{fmt(o['client_ms_p50'], 2)} ms; worker engine x{fmt(_ratio(o), 2)} the model; "
                 f"{o['failed']} failed)")
     finally:
         stop_ray(started)
@@ -204,10 +205,6 @@ def measure_serving(cfg, model, log=print) -> dict:
 def _ratio(o: dict) -> float | None:
     xs = [x for w in o["worker_steps"] for x in w["ratio_to_model"].values()]
     return float(statistics.median(xs)) if xs else None
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 def _contention_child() -> int:

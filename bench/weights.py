@@ -32,6 +32,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a te
            "Once upon a time, in a small village,"]
 
 
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
 def text_logits(model, config, ids: list[int]) -> torch.Tensor:
     """One prefill forward over ids (T,) on a fresh pool -> logits (T, V) float32."""
     from engine.attn_metadata import AttentionMetadata
@@ -100,9 +108,7 @@ def measure(weights: str, new_tokens: int, batch: int, reference: dict | None) -
     out["batched"] = decode_speed(loaded, weights, prompt, batch, new_tokens)
     if reference is not None:
         out["top1_agreement"] = (top1 == reference["_top1"]).double().mean().item()
-        out["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b),
-                                        None if len(g) == len(r) else min(len(g), len(r)))
-                                   for g, r in zip(greedy, reference["_greedy"])]
+        out["first_divergence"] = [first_divergence(g, r) for g, r in zip(greedy, reference["_greedy"])]
         out["perplexity_vs_f32"] = out["perplexity"] / reference["perplexity"]
     out["_top1"], out["_greedy"] = top1, greedy
     return out
