@@ -23,10 +23,11 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t i8x __attribute__((vector_size(32), aligned(4)));
-typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
-typedef int8_t s8x8 __attribute__((vector_size(8), aligned(1)));
+/* natural alignment on purpose (see vec16.h): loads and stores go through memcpy */
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8x __attribute__((vector_size(32)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int8_t s8x8 __attribute__((vector_size(8)));
 
 #define QK 32         /* weights per block */
 #define Q4_1_BYTES 20 /* f16 d, f16 m, 16 bytes of nibbles */

@@ -17,11 +17,12 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
-typedef uint32_t u8x __attribute__((vector_size(32), aligned(4)));
-typedef int32_t i8x __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
-typedef int8_t s8x8 __attribute__((vector_size(8), aligned(1)));
+/* natural alignment on purpose (see vec16.h): loads and stores go through memcpy */
+typedef float f8 __attribute__((vector_size(32)));
+typedef uint32_t u8x __attribute__((vector_size(32)));
+typedef int32_t i8x __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef int8_t s8x8 __attribute__((vector_size(8)));
 
 #define R_TILE 4 /* weight rows per tile */
 #define M_TILE 2 /* x rows per pass over a tile */
