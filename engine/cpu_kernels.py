@@ -1,7 +1,8 @@
 """Builds and loads the compiled CPU kernels in engine/csrc, once per machine, at first use.
 
 Each library is one C file (plus the shared vec16.h) compiled with the system C compiler ($CC,
-else `cc`) and -O3 -march=native, into a cache directory ($PDSERVE_KERNEL_CACHE, else
+else `cc`) and -O3 -march=native ($PDSERVE_KERNEL_MARCH names another target, e.g. x86-64-v3 to
+run the AVX2 code on an AVX-512 machine), into a cache directory ($PDSERVE_KERNEL_CACHE, else
 ~/.cache/pdserve/kernels) under a name that hashes the sources, the flags and the CPU's model and
 flags, so a shared home directory never hands one machine another's binary. A build goes to a
 temporary file renamed into place, so concurrent processes never load half a library. Callers
@@ -26,7 +27,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-COMMON = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
+MARCH = os.environ.get("PDSERVE_KERNEL_MARCH") or "native"
+COMMON = ["-O3", f"-march={MARCH}", "-fno-math-errno", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 # per library: its extra flags and its functions' ctypes signatures (argument types, result type)
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 LIBRARIES = {

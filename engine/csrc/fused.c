@@ -14,13 +14,14 @@
 
 /* Sum of squares of x[0..n): sixteen partial sums, a fixed tree, then the tail in order. */
 static float sum_squares(const float *x, int64_t n) {
-    v16 part = {0};
+    v8 lo = {0}, hi = {0}; /* lanes 0-7 and 8-15 of the sixteen partial sums */
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
-        v16 v = load16(x + d);
-        part += v * v;
+        v8 a = load8(x + d), b = load8(x + d + 8);
+        lo += a * a;
+        hi += b * b;
     }
-    float sum = hsum16(part);
+    float sum = hsum8x2(lo, hi);
     for (; d < n; d++)
         sum += x[d] * x[d];
     return sum;
@@ -74,13 +75,13 @@ void pd_silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, int64_t 
         const float *g = gate_up + r * stride, *u = g + inter;
         float *o = out + r * inter;
         int64_t d = 0;
-        for (; d + 16 <= inter; d += 16) {
-            v16 x = load16(g + d);
-            store16(o + d, x / (1.0f + exp16((v16){0} - x)) * load16(u + d));
+        for (; d + VN <= inter; d += VN) {
+            vn x = loadn(g + d);
+            storen(o + d, x / (1.0f + expn((vn){0} - x)) * loadn(u + d));
         }
         for (; d < inter; d++) { /* the tail through one vector too: the same rounding */
-            v16 x = (v16){0} + g[d];
-            o[d] = (x / (1.0f + exp16((v16){0} - x)))[0] * u[d];
+            vn x = (vn){0} + g[d];
+            o[d] = (x / (1.0f + expn((vn){0} - x)))[0] * u[d];
         }
     }
 }

@@ -7,8 +7,9 @@
  * head, one after another, against the sequence's keys (the first pass brings them into cache),
  * takes an exact softmax (max subtracted, float32 sums), then sums the values weighted by it. Work is proportional to the
  * keys each sequence actually has: no padding to the longest sequence, no copy of the history.
- * Keys are scored sixteen at a time, their sixteen partial-sum vectors folded together
- * (vec16.h's fold16, in hsum16's order). (sequence, kv head) pairs are independent and split
+ * With AVX-512, keys are scored sixteen at a time, their sixteen partial-sum vectors folded
+ * together (vec16.h's fold16, in hsum16's order); without it, four at a time in 8-float halves
+ * (hsum8x2, the same order), since 16-float vectors would live in memory there. (sequence, kv head) pairs are independent and split
  * across `threads` OpenMP threads, on torch's own OpenMP runtime (the same soname, loaded once);
  * each pair's arithmetic is the same whatever the thread count, so results do not depend on it.
  * (Measured and not kept: one task per sequence reading each block once for all heads, 10-20%
@@ -39,7 +40,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t g = 0; g < G; g++) { /* one query head at a time: its q and sums stay in registers */
         const float *qg = q + g * q_head_stride;
         int64_t t = 0;
-#if PD_HAVE_SHUFFLE
+#if PD_HAVE_SHUFFLE && defined(__AVX512F__)
         for (; t + 16 <= len; t += 16) { /* sixteen keys at a time, their sums folded together */
             const float *k[16];
             for (int j = 0; j < 16; j++)
@@ -54,6 +55,28 @@ static inline __attribute__((always_inline)) void attend(
                     acc[j] += load16(qg + d) * load16(k[j] + d);
             store16(scores + t, fold16(acc) * scale);
         }
+#elif PD_HAVE_SHUFFLE
+        /* Without AVX-512, GCC keeps 16-float vectors in memory (4-5x slower), so the same sums
+         * in 8-float halves: lanes 0-7 and 8-15 of each v16 sum, four keys at a time */
+        for (; t + 4 <= len; t += 4) {
+            const float *k[4];
+            for (int j = 0; j < 4; j++)
+                k[j] = k_cache + table[(t + j) / B] * sN + ((t + j) % B) * sB + head_offset;
+            if (g == 0 && (t % B) == 0 && t + B < len) /* the next block's keys, while these are scored */
+                prefetch_rows(k_cache + table[t / B + 1] * sN + head_offset, B, sB, D);
+            v8 lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                lo[j] = load8(qg) * load8(k[j]);
+                hi[j] = load8(qg + 8) * load8(k[j] + 8);
+            }
+            for (int64_t d = 16; d < D; d += 16)
+                for (int j = 0; j < 4; j++) {
+                    lo[j] += load8(qg + d) * load8(k[j] + d);
+                    hi[j] += load8(qg + d + 8) * load8(k[j] + d + 8);
+                }
+            for (int j = 0; j < 4; j++)
+                scores[t + j] = hsum8x2(lo[j], hi[j]) * scale;
+        }
 #endif
         for (; t < len; t++) { /* the rest one key at a time: the same sums, the same order */
             const float *k = k_cache + table[t / B] * sN + (t % B) * sB + head_offset;
@@ -65,22 +88,25 @@ static inline __attribute__((always_inline)) void attend(
         int64_t padded = (len + 15) & ~(int64_t)15;
         for (int64_t t = len; t < padded; t++)
             scores[t] = -INFINITY; /* weighs nothing */
-        v16 top = load16(scores);
-        for (int64_t t = 16; t < padded; t += 16) {
-            v16 x = load16(scores + t);
-            top = select16(x > top, x, top);
+        v8 top = load8(scores); /* the max, then e^(s - max) and its sum: in v8 halves, lanes 0-7
+                                   and 8-15 of a v16 sum (the same bits on every vector width) */
+        for (int64_t t = 8; t < padded; t += 8) {
+            v8 x = load8(scores + t);
+            top = select8(x > top, x, top);
         }
         float m = top[0];
-        for (int l = 1; l < 16; l++)
+        for (int l = 1; l < 8; l++)
             m = top[l] > m ? top[l] : m;
-        v16 part = {0};
+        v8 lo = {0}, hi = {0};
         for (int64_t t = 0; t < padded; t += 16) {
-            v16 e = exp16_nonpositive(load16(scores + t) - m);
-            store16(scores + t, e);
-            part += e;
+            v8 e0 = exp8_nonpositive(load8(scores + t) - m), e1 = exp8_nonpositive(load8(scores + t + 8) - m);
+            store8(scores + t, e0);
+            store8(scores + t + 8, e1);
+            lo += e0;
+            hi += e1;
         }
-        float sum = hsum16(part);
-        v16 acc[MAX_D / 16] = {{0}};
+        float sum = hsum8x2(lo, hi);
+        vn acc[MAX_D / VN] = {{0}}; /* the value sums, one register wide */
         for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
             const float *vb = v_cache + table[blk] * sN + head_offset;
             int64_t n = len - t0 < B ? len - t0 : B;
@@ -89,13 +115,13 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t j = 0; j < n; j++) {
                 const float *v = vb + j * sB;
                 float p = scores[t0 + j];
-                for (int64_t c = 0; c < D / 16; c++)
-                    acc[c] += p * load16(v + 16 * c);
+                for (int64_t c = 0; c < D / VN; c++)
+                    acc[c] += p * loadn(v + VN * c);
             }
         }
         float inv = 1.0f / sum;
-        for (int64_t c = 0; c < D / 16; c++)
-            store16(out + g * D + 16 * c, acc[c] * inv);
+        for (int64_t c = 0; c < D / VN; c++)
+            storen(out + g * D + VN * c, acc[c] * inv);
     }
 }
 
