@@ -1,13 +1,14 @@
 """Where a benchmark ran (convention 16), for the JSON of `bench engine`, `bench decode`, `bench
-migrate` and `bench weights`. `describe(engine=None)` returns the CPU (model, vendor, family, the
-flags that decide the kernels' code: avx2, fma, f16c, avx512*, amx*), the compiler and the
-architecture `-march=native` resolved to, logical and physical cores and the process's CPU
-affinity, torch's intra/inter-op threads and the OpenMP threads the compiled kernels are handed
-(engine.cpu_attention passes torch.get_num_threads() to each call), the memory copy bandwidth
-measured now (median of a few copies of a 256 MiB float32 tensor, read + write bytes counted),
-the device, and which path each op takes: the compiled kernels loaded or not, and, given an
-engine, what its attention, elementwise steps, projections and logits actually run through.
-`summary(d)` is the one line the benches print.
+migrate` and `bench weights`. `describe(engine=None)` returns: the CPU (model, vendor, family, the
+flags that decide the kernels' code: avx2, fma, f16c, avx512*, amx*); the compiler and the
+architecture `-march=native` resolved to; the instruction sets the code was held to (the kernels'
+-march, torch's CPU capability, and any variable of ISA_VARIABLES that lowers them); logical and
+physical cores and the process's CPU affinity; torch's intra/inter-op threads and the OpenMP
+threads the compiled kernels are handed (engine.cpu_attention passes torch.get_num_threads() to
+each call); the memory copy bandwidth measured now (median of a few copies of a 256 MiB float32
+tensor, read + write bytes counted); the device; and which path each op takes: the compiled
+kernels loaded or not, and, given an engine, what its attention, elementwise steps, projections
+and logits actually run through. `summary(d)` is the one line the benches print.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pathlib import Path
 import torch
 
 FLAG_PATTERN = re.compile(r"^(avx2|fma|f16c|avx512\w*|avx_vnni|amx\w*)$")
+# variables that hold code below what the CPU has: the kernels' -march, torch's dispatch, oneDNN, MKL
+ISA_VARIABLES = ("PDSERVE_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                 "MKL_ENABLE_INSTRUCTIONS")
 COPY_BYTES = 256 << 20
 
 
@@ -80,6 +84,13 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def kernel_march() -> str:
+    """The -march the compiled kernels are built for (engine.cpu_kernels.MARCH)."""
+    from engine import cpu_kernels
+
+    return cpu_kernels.MARCH
+
+
 def kernels_loaded() -> dict:
     """Which compiled CPU libraries and packed-GEMM backends are usable in this process."""
     from engine import cpu_attention, cpu_fused, cpu_gemm, cpu_gguf, cpu_lowp
@@ -123,6 +134,9 @@ def describe(engine=None, bandwidth: bool = True) -> dict:
            "threads": {"torch": threads, "torch_interop": torch.get_num_interop_threads(),
                        "kernel_openmp": threads, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
            "compiler": _compiler(),
+           "isa": {"kernel_march": kernel_march(),
+                   "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                   "overrides": {v: os.environ[v] for v in ISA_VARIABLES if os.environ.get(v)}},
            "memory_copy_gb_per_s": copy_bandwidth() if bandwidth else None,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__,
@@ -143,7 +157,9 @@ def summary(d: dict) -> str:
     extra = f"; weights {paths['weights']}, attention {paths['decode_attention'].split()[0]}" if paths else ""
     copy = f"copy {bw:.1f} GB/s" if bw else "copy n/a"
     march = d["compiler"]["march_native"]
-    return (f"machine: {cpu['model']} (family {cpu['family']}, {simd}, march {march}), "
+    held = d.get("isa", {}).get("overrides")
+    held = f", held to {' '.join(f'{k}={v}' for k, v in held.items())}" if held else ""
+    return (f"machine: {cpu['model']} (family {cpu['family']}, {simd}, march {march}{held}), "
             f"{cores['physical']} cores / {cores['logical']} cpus (affinity {cores['affinity']}), "
             f"torch threads {th['torch']}, kernel OpenMP {th['kernel_openmp']}, {copy}; "
             f"kernels {kernels}{extra}")

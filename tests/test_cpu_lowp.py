@@ -129,3 +129,14 @@ def test_machine_record():
     assert {"model", "family", "flags"} <= set(d["cpu"]) and d["cores"]["logical"] >= 1
     assert d["threads"]["torch"] >= 1 and d["kernels"]["lowp_gemv"] is True
     assert "GB/s" in machine.summary(d)
+
+
+def test_machine_record_names_the_instruction_sets_it_was_held_to(monkeypatch):
+    from bench import machine
+
+    monkeypatch.delenv("PDSERVE_KERNEL_MARCH", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    d = machine.describe(bandwidth=False)
+    assert d["isa"]["kernel_march"] == "native" and d["isa"]["torch_cpu_capability"]
+    assert d["isa"]["overrides"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "held to ONEDNN_MAX_CPU_ISA=AVX2" in machine.summary(d)
