@@ -126,6 +126,9 @@ class KVStorage:
             self._blocks = torch.zeros(shape, dtype=layout.torch_dtype, device=self.device,
                                        pin_memory=pin_memory and self.device.type == "cpu")
         self.data = self._blocks[:num_blocks]  # (N, L, 2, B, H, D): the real blocks only
+        # each layer's (keys, values) views, made once (slicing them again cost 3.8 us a layer,
+        # 0.1 ms of a 17 ms one-sequence SmolLM2 decode step; a cached pair costs 0.07 us)
+        self._layer_views = [(self._blocks[:, i, 0], self._blocks[:, i, 1]) for i in range(layout.num_layers)]
         self.null_block_id: int | None = num_blocks if null_block else None
 
     @property
@@ -146,7 +149,7 @@ class KVStorage:
         null block, which attention may read as padding; it stays zero because no slot is in it)."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.layout.num_layers - 1}")
-        return self._blocks[:, layer, 0], self._blocks[:, layer, 1]
+        return self._layer_views[layer]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst inside this pool (copy-on-write)."""
