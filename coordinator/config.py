@@ -25,6 +25,9 @@ class ClusterConfig:
     kv_port_max: int = 0
     routing: str = "least_loaded"     # Router policy: round_robin, least_loaded or prefix_aware
     actor_cpus: float = 0.25          # Ray CPUs reserved per worker (fractional fits a cluster on 2 cores)
+    # torch (and CPU kernel) threads per worker; 0: as many as the Ray CPUs it reserves (actor_cpus,
+    # rounded down, at least 1), so workers never run more threads than the cores Ray gave them
+    torch_threads: int = 0
     start_timeout_s: float = 180.0    # bound on workers loading and handshaking
     call_timeout_s: float = 10.0      # bound on one command to a worker
     event_timeout_s: float = 60.0     # longest silence inside a request before it times out

@@ -189,6 +189,12 @@ def spawn_workers(c, events_address: str, namespace: str, kv_host: str = "127.0.
     return out
 
 
+def worker_threads(c) -> int:
+    """Threads a worker computes on: ClusterConfig.torch_threads, or (0) the whole Ray CPUs it
+    reserves, at least 1."""
+    return c.torch_threads if c.torch_threads > 0 else max(1, int(c.actor_cpus))
+
+
 def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, generation: int = 0,
                  kv_host: str = "127.0.0.1", published: dict | None = None, keys=None) -> WorkerState:
     """One worker actor of `role` for slot `slot` ("decode-0"); a replacement (generation g > 0)
@@ -202,7 +208,8 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
     name = slot if generation == 0 else f"{slot}-r{generation}"
     engine = {"model": c.model, "num_blocks": c.num_blocks, **c.engine, "block_size": c.block_size}
     engine["scheduler"] = {"step_target_s": c.step_target_s, **engine.get("scheduler", {})}
-    config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s}
+    config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s,
+              "torch_threads": worker_threads(c)}
     resources = {}
     if role == "prefill":
         config.update(transport=c.transport, namespace=namespace, stream_migration=c.stream_migration,

@@ -30,11 +30,11 @@ DEFAULTS = {"prefill": 1, "decode": 1, "transport": "zmq", "model": "smollm2", "
             "decode_block_size": 0, "num_blocks": 512, "routing": "least_loaded", "host": "127.0.0.1",
             "port": 8000, "address": None, "num_cpus": 2, "colocated": 0}
 # Keys a config file may set beyond the flags: ClusterConfig fields without a flag.
-FILE_ONLY = ("engine", "actor_cpus", "prefill_resources", "decode_resources", "heartbeat_timeout_s",
-             "call_timeout_s", "event_timeout_s", "start_timeout_s", "name", "decode_num_blocks",
-             "reserve_wait_s", "decode_model", "report_s", "ledger_grace_s", "monitor_s", "bind",
-             "event_port", "kv_port_min", "kv_port_max", "gpus_per_worker", "restart_backoff_s",
-             "max_restarts", "restart_window_s", "max_waiting", "stream_migration")
+FILE_ONLY = ("engine", "actor_cpus", "torch_threads", "prefill_resources", "decode_resources",
+             "heartbeat_timeout_s", "call_timeout_s", "event_timeout_s", "start_timeout_s", "name",
+             "decode_num_blocks", "reserve_wait_s", "decode_model", "report_s", "ledger_grace_s",
+             "monitor_s", "bind", "event_port", "kv_port_min", "kv_port_max", "gpus_per_worker",
+             "restart_backoff_s", "max_restarts", "restart_window_s", "max_waiting", "stream_migration")
 # Keys of the HTTP server's config (coordinator.http.HTTPConfig) a config file may set.
 HTTP_KEYS = ("max_active",)
 

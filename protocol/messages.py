@@ -148,6 +148,7 @@ class WorkerInfo:
     node_address: str = ""
     pid: int = 0
     model_source: str = "local"  # where its weights came from: local, object_store or node_cache
+    threads: int = 1             # the intra-op threads its engine computes on (torch and CPU kernels)
 
 
 # ---- events -----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ class WorkerConfig:
     idle_poll_s: float = 0.02
     busy_poll_s: float = 0.001
     call_timeout_s: float = 30.0
+    torch_threads: int = 1       # intra-op threads of torch and the CPU kernels (coordinator.workers sets it)
     # the coordinator's published copy of the model's files (runtime.model_store), or None
     model_files: dict | None = None
     fetch_model: bool = False    # load the published copy even when the path exists on this node
@@ -72,8 +73,8 @@ class WorkerActor:
         from engine.engine import EngineConfig, LLMEngine
         from runtime.model_store import resolve
 
-        torch.set_num_threads(1)
         self.config = self.config_class(**config)
+        torch.set_num_threads(max(1, self.config.torch_threads))
         engine = dict(self.config.engine or {})
         engine["model"], self.model_source = resolve(engine.get("model", "tiny"), self.config.model_files,
                                                      prefer_local=not self.config.fetch_model)
@@ -129,6 +130,8 @@ class WorkerActor:
         return route
 
     def describe(self) -> WorkerInfo:
+        import torch
+
         e = self.engine
         node_id = node_address = ""
         try:
@@ -145,7 +148,7 @@ class WorkerActor:
                           vocab_size=e.model_config.vocab_size, bos_token_id=e.model_config.bos_token_id,
                           eos_token_ids=list(e.model_config.eos_token_ids), device=str(e.device),
                           node_id=node_id, node_address=node_address, pid=os.getpid(),
-                          model_source=self.model_source)
+                          model_source=self.model_source, threads=torch.get_num_threads())
 
     def stats(self) -> dict:
         return self.loop.stats()
