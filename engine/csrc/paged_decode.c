@@ -3,15 +3,16 @@
  *
  * Built at first use by engine/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes with tensors' data pointers; engine/cpu_attention.py checks every shape, dtype
- * and stride first. For each (sequence, kv head) it scores the G = Hq / Hkv query heads of that kv
- * head, one after another, against the sequence's keys (the first pass brings them into cache),
- * takes an exact softmax (max subtracted, float32 sums), then sums the values weighted by it. Work is proportional to the
- * keys each sequence actually has: no padding to the longest sequence, no copy of the history.
- * With AVX-512, keys are scored sixteen at a time, their sixteen partial-sum vectors folded
- * together (vec16.h's fold16, in hsum16's order); without it, four at a time in 8-float halves
- * (hsum8x2, the same order), since 16-float vectors would live in memory there. (sequence, kv head) pairs are independent and split
- * across `threads` OpenMP threads, on torch's own OpenMP runtime (the same soname, loaded once);
- * each pair's arithmetic is the same whatever the thread count, so results do not depend on it.
+ * and stride first. For each (sequence, kv head) it scores the G = Hq / Hkv query heads of that
+ * kv head, one after another, against the sequence's keys (the first pass brings them into
+ * cache), takes an exact softmax (max subtracted, float32 sums), then sums the values weighted by
+ * it. Work is proportional to the keys each sequence actually has: no padding to the longest
+ * sequence, no copy of the history. With AVX-512, keys are scored sixteen at a time, their
+ * sixteen partial-sum vectors folded together (vec16.h's fold16, in hsum16's order); without it,
+ * four at a time in 8-float halves (hsum8x2, the same order), since 16-float vectors would live
+ * in memory there. (sequence, kv head) pairs are independent and split across `threads` OpenMP
+ * threads, on torch's own OpenMP runtime (the same soname, loaded once); each pair's arithmetic
+ * is the same whatever the thread count or vector width, so results depend on neither.
  * (Measured and not kept: one task per sequence reading each block once for all heads, 10-20%
  * slower in the engine; fused multiply-adds, no faster: the kernel waits on memory.)
  */
