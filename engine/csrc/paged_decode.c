@@ -56,9 +56,10 @@ static inline __attribute__((always_inline)) void attend(
                     acc[j] += load16(qg + d) * load16(k[j] + d);
             store16(scores + t, fold16(acc) * scale);
         }
-#elif PD_HAVE_SHUFFLE
-        /* Without AVX-512, GCC keeps 16-float vectors in memory (4-5x slower), so the same sums
-         * in 8-float halves: lanes 0-7 and 8-15 of each v16 sum, four keys at a time */
+#else
+        /* Without AVX-512 (or without fold16's shuffles), where GCC keeps 16-float vectors in
+         * memory (4-5x slower): the same sums in 8-float halves, lanes 0-7 and 8-15 of each v16
+         * sum, four keys at a time */
         for (; t + 4 <= len; t += 4) {
             const float *k[4];
             for (int j = 0; j < 4; j++)
