@@ -73,7 +73,7 @@ static inline float half_at(const uint8_t *p) {
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
-static inline f8 load_x(const float *p) { return (f8)_mm256_loadu_ps(p); } /* memcpy went via the stack */
+static inline f8 load_x(const float *p) { return (f8)_mm256_loadu_ps(p); }
 #if defined(__FMA__)
 #define MADD(a, b, c) _mm256_fmadd_ps(a, b, c)
 #else

@@ -82,10 +82,12 @@ static inline __attribute__((always_inline)) void attend(
 #endif
         for (; t < len; t++) { /* the rest one key at a time: the same sums, the same order */
             const float *k = k_cache + table[t / B] * sN + (t % B) * sB + head_offset;
-            v16 acc = load16(qg) * load16(k);
-            for (int64_t d = 16; d < D; d += 16)
-                acc += load16(qg + d) * load16(k + d);
-            scores[t] = hsum16(acc) * scale;
+            v8 lo = load8(qg) * load8(k), hi = load8(qg + 8) * load8(k + 8);
+            for (int64_t d = 16; d < D; d += 16) {
+                lo += load8(qg + d) * load8(k + d);
+                hi += load8(qg + d + 8) * load8(k + d + 8);
+            }
+            scores[t] = hsum8x2(lo, hi) * scale;
         }
         int64_t padded = (len + 15) & ~(int64_t)15;
         for (int64_t t = len; t < padded; t++)
