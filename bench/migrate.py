@@ -79,7 +79,8 @@ def _measure(cfg: BenchConfig, recv: Receivers, transport: str, src, digest: int
     Payloads up to 1 MiB get at least cfg.small_warmup warm-ups and cfg.small_repeats repeats."""
     sender = recv.senders[transport]
     mode = sender.config.checksum_mode  # Ray's and a pulled payload's checksums are in the manifest
-    ecfg = ExportConfig(chunk_bytes=sender.config.chunk_bytes, checksum_mode=mode)  # the channel's own
+    ecfg = ExportConfig(chunk_bytes=sender.config.chunk_bytes, checksum_mode=mode,  # the channel's own
+                        checksum_threads=sender.config.copy_threads)
     lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
     t = src.table("s")
     small = len(t.blocks) * src.storage.layout.block_bytes <= 1 << 20

@@ -51,9 +51,10 @@ def test_a_corrupted_read_fails_its_checksum_and_leaves_the_pool_unchanged(monke
     src, served, tx = _pair()
     real = nixl_channel.NixlSource.read_many
 
-    def flipped(self, items):
-        real(self, items)
+    def flipped(self, items, threads=1):
+        landed = real(self, items, threads)
         items[-1][1][0][0] ^= 1  # as if a bit of the last chunk flipped on the way
+        return landed
 
     monkeypatch.setattr(nixl_channel.NixlSource, "read_many", flipped)
     try:

@@ -11,6 +11,7 @@ from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
+from transfer.checksum import checksum
 from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
 from transfer.messages import PoolOffer
@@ -52,19 +53,47 @@ def test_same_node_pool_is_read_in_place(plane):
         served.stop()
 
 
-def test_a_two_thread_copy_lands_the_same_bytes():
-    from transfer.pull import SPLIT_MIN_BYTES, ShmSource
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copies_land_the_same_bytes_and_report_their_checksums(threads):
+    from transfer.pull import WINDOW, ShmSource
 
     layout = KVLayout(block_size=16, num_layers=8, num_kv_heads=8, head_dim=64, dtype="float16")
     src = make_manager(layout, 40, shm=True)  # 128 KiB blocks
     fill_random_sequence(src, "a", 600, torch.Generator().manual_seed(3), list(range(1, 601)))
-    n = 2 * SPLIT_MIN_BYTES + 3  # odd: the halves differ by a byte
-    want = bytes(src.storage.block_bytes_view(0, 38)[5:5 + n])
-    source = ShmSource(src.storage.shm_path.encode())
-    source.threads = 2
-    a, b = bytearray(n // 3), bytearray(n - n // 3)
-    source.read(5, [memoryview(a), memoryview(b)])
-    assert bytes(a) + bytes(b) == want
+    pool = bytes(src.storage.block_bytes_view(0, 38))
+    # items of several buffers each, cut off the window grid, one smaller than a window
+    cuts = [(5, [WINDOW + 3, 2 * WINDOW - 1]), (4 * WINDOW + 11, [7, WINDOW // 2]), (9 * WINDOW, [3 * WINDOW])]
+    items = [(off, [memoryview(bytearray(n)) for n in sizes]) for off, sizes in cuts]
+    digests = ShmSource(src.storage.shm_path.encode()).read_many(items, threads)
+    for (off, bufs), digest in zip(items, digests):
+        want = pool[off:off + sum(b.nbytes for b in bufs)]
+        assert b"".join(bytes(b) for b in bufs) == want
+        assert digest == checksum(want)
+
+
+def test_a_pool_changed_after_its_manifest_fails_the_checksum_and_leaves_the_pool_as_it_was():
+    src = _source()
+    served = Served(make_manager(LAYOUT, 64))
+    tx = _sender(src, served.rx.address)
+    try:
+        tx.connect()
+        tx.channel.offer_pool()
+        before = snapshot(served.manager)
+        ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="manifest",
+                                                                     checksum_threads=2))
+        first = src.table("a").blocks[0]
+        src.storage.block_bytes_view(first, 1)[3] ^= 1  # a byte of the first sent block, after hashing
+        sock = tx.channel.sock
+        sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
+        offsets = ShmAdvert(src.storage).offsets(ex.frames)
+        sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets(offsets)])
+        assert isinstance(served.next(), E.ChecksumError)
+        assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
+        assert snapshot(served.manager) == before
+        ex.release()
+    finally:
+        tx.close()
+        served.stop()
 
 
 def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_path):

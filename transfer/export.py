@@ -20,7 +20,7 @@ import torch
 
 from kvcache.manager import KVCacheManager, blocks_for
 from transfer.blocks import skipped_blocks
-from transfer.checksum import checksum
+from transfer.checksum import checksum_many
 from transfer.codec import DEFAULT_LIMITS
 from transfer.export_reblock import gather_reblocked, receiver_runs
 from transfer.messages import DecodeState, FrameDesc, Manifest, validate_sampling
@@ -41,6 +41,7 @@ class ExportConfig:
       sequence's blocks allocated until the send returns, and no allocator call is made, so an
       export can be built off the thread that owns the pool).
     stage: force the staged (device-style) read path even for a CPU pool (tests use it).
+    checksum_threads: threads that hash the chunks in "manifest" mode (`checksum_many`).
     """
 
     chunk_bytes: int = 2 << 20
@@ -49,6 +50,7 @@ class ExportConfig:
     lease_s: float = 60.0
     lease: bool = True
     stage: bool = False
+    checksum_threads: int = 1
 
 
 class ExportedSequence:
@@ -170,12 +172,8 @@ def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int
             def source():
                 yield from DeviceChunks(storage.data, ranges, config.chunk_bytes)
         cb = config.chunk_bytes
-        descs = []
-        for k, (first, count) in enumerate(runs):
-            sums = None
-            if config.checksum_mode == "manifest":
-                sums = tuple(checksum(frames[k][c:c + cb]) for c in range(0, count * bb, cb))
-            descs.append(FrameDesc(first, count, count * bb, sums))
+        sums = _chunk_sums(frames, config) if config.checksum_mode == "manifest" else [None] * len(runs)
+        descs = [FrameDesc(first, count, count * bb, s) for (first, count), s in zip(runs, sums)]
         manifest = Manifest(
             request_id=str(request_id), epoch=int(epoch), fingerprint=storage.layout.fingerprint(),
             num_tokens=n, block_tokens=tuple([B] * (nb - 1) + [n - (nb - 1) * B]),
@@ -196,14 +194,24 @@ def _reblocked(manager: KVCacheManager, manifest: Manifest, blocks: list[int],
     reused = set(manifest.reuse)
     sent = [j for j in range(blocks_for(n, R)) if j not in reused]
     buf = gather_reblocked(manager.storage, blocks, n, R, sent).view(-1).view(torch.uint8).numpy()
-    rbb, cb = manager.storage.layout.token_bytes * R, config.chunk_bytes
-    frames, descs, pos = [], [], 0
-    for first, count in receiver_runs(sent, max(1, config.max_frame_bytes // rbb)):
-        view = memoryview(buf[pos:pos + count * rbb])
-        sums = tuple(checksum(view[c:c + cb]) for c in range(0, count * rbb, cb)) \
-            if config.checksum_mode == "manifest" else None
-        frames.append(view)
-        descs.append(FrameDesc(first, count, count * rbb, sums))
+    rbb = manager.storage.layout.token_bytes * R
+    frames, runs, pos = [], receiver_runs(sent, max(1, config.max_frame_bytes // rbb)), 0
+    for _, count in runs:
+        frames.append(memoryview(buf[pos:pos + count * rbb]))
         pos += count * rbb
+    sums = _chunk_sums(frames, config) if config.checksum_mode == "manifest" else [None] * len(runs)
+    descs = [FrameDesc(first, count, count * rbb, s) for (first, count), s in zip(runs, sums)]
     return ExportedSequence(dataclasses.replace(manifest, frames=tuple(descs)), frames, None,
                             manager.allocator, [], config.lease_s)
+
+
+def _chunk_sums(frames, config: ExportConfig) -> list[tuple[int, ...]]:
+    """Each frame's chunk checksums, every chunk of every frame hashed in one `checksum_many`."""
+    cb = config.chunk_bytes
+    cuts = [[(k, c) for c in range(0, memoryview(f).nbytes, cb)] for k, f in enumerate(frames)]
+    flat = checksum_many([[frames[k][c:c + cb]] for frame in cuts for k, c in frame], config.checksum_threads)
+    out, at = [], 0
+    for frame in cuts:
+        out.append(tuple(flat[at:at + len(frame)]))
+        at += len(frame)
+    return out

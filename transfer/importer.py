@@ -177,15 +177,17 @@ class ImportSession:
                              self.checked.frame_block_bytes, self.dst_blocks)
 
     def chunk_done(self, frame: int, chunk: int, nbytes: int, bufs: list,
-                   inline_checksum: int | None = None) -> None:
-        """Check the size and checksum of the chunk just written into `bufs`."""
+                   inline_checksum: int | None = None, landed_checksum: int | None = None) -> None:
+        """Check the size and checksum of the chunk just written into `bufs` (`landed_checksum`:
+        their xxh3-64 when the landing code hashed them as they landed, `transfer.pull`)."""
         manifest = self.manifest
         _, _, want = self.next_chunk()  # type: ignore[misc]
         if nbytes != want:
             raise FrameSizeError(f"chunk ({frame}, {chunk}): {nbytes} bytes, expected {want}")
         inline = manifest.checksum_mode == "inline"
         expect = inline_checksum if inline else manifest.frames[frame].checksums[chunk]
-        if expect is None or checksum_parts(bufs) != expect:
+        got = checksum_parts(bufs) if landed_checksum is None else landed_checksum
+        if expect is None or got != expect:
             raise ChecksumError(f"chunk ({frame}, {chunk}) of request {manifest.request_id!r} "
                                 "failed its checksum")
         if self.sink is not None:

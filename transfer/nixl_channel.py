@@ -116,10 +116,11 @@ class NixlSource:
             self.scratch_region = self.agent.register(self.scratch)
         return self.scratch, self.scratch_region
 
-    def read_many(self, items) -> None:
+    def read_many(self, items, threads: int = 1) -> list[None]:
         """Read the sender's bytes at each (offset, buffers) pair into those buffers: the ones in
         this receiver's registered pool in one READ, the others through the scratch buffer in a
-        second (bounds checked by the agent)."""
+        second (bounds checked by the agent). The agent does not hash: None per item, so the
+        caller hashes what landed (`transfer.pull`)."""
         direct, staged = [], []
         for offset, bufs in items:
             pos = offset
@@ -147,6 +148,7 @@ class NixlSource:
         except TransferError:
             self.close()  # NOTE: before the caller frees the blocks: a late byte must not land in them
             raise
+        return [None] * len(items)
 
     def close(self) -> None:
         self.agent.close()

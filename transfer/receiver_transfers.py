@@ -113,7 +113,7 @@ class PayloadMixin:
         try:
             if peer.source is None:
                 raise MalformedMessage("pool offsets on a connection whose pool this receiver does not read")
-            land_pulled(s, peer.source, body)
+            land_pulled(s, peer.source, body, self.config.copy_threads)
         except TransferError as e:
             return self._fail(ident, peer, e)
         s.timings["land_ms"] = (time.perf_counter() - t0) * 1e3  # reads and checksums

@@ -166,7 +166,7 @@ class SenderSession:
         if dedupe and payload_estimate(manager, t.num_computed) > c.inline_bytes:
             reuse = self.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
         cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=c.checksum_mode, lease_s=c.lease_s,
-                           lease=lease)
+                           lease=lease, checksum_threads=c.copy_threads)
         phases = self.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
         for attempt in range(2):
             t1 = time.perf_counter()

@@ -54,6 +54,9 @@ class TransportConfig:
       behind the manifest instead of on the data stream, saving the reader thread's hand-off
       (0: every payload queries and streams; the default is measured with `pdserve bench migrate
       --inline-kib`, see the README).
+    copy_threads: threads that hash a payload's chunks at export ("manifest" mode) and that copy
+      and hash a payload read from a same-node sender's pool (`transfer.pull`); 1 keeps both on
+      the calling thread (2 measured faster on a 2-core machine: `python -m bench.shm_copy`).
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -75,12 +78,15 @@ class TransportConfig:
     secret: str = ""
     data_plane: str = "stream"
     inline_bytes: int = 256 << 10
+    copy_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.data_plane not in ("stream", "zmq"):
             raise ValueError(f"data_plane must be 'stream' or 'zmq', got {self.data_plane!r}")
         if self.inline_bytes < 0:
             raise ValueError(f"inline_bytes must be >= 0, got {self.inline_bytes}")
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
 
 
 def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", pool_path: str = ""):
