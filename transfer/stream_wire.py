@@ -51,6 +51,20 @@ def recv_into_all(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def recv_into_hashed(sock: socket.socket, bufs, h, window: int) -> bool:
+    """Fill each of `bufs` in turn, `window` bytes at a time (0: each buffer at once), feeding
+    each window to the hasher `h` right after it lands, while it is still in cache; False on EOF."""
+    for b in bufs:
+        view = memoryview(b).cast("B")
+        step = window or view.nbytes
+        for at in range(0, view.nbytes, step):
+            win = view[at:at + step]
+            if not recv_into_all(sock, win):
+                return False
+            h.update(win)
+    return True
+
+
 def send_views(sock: socket.socket, views) -> None:
     """Send buffers in order, coalescing small ones into one `sendmsg` call."""
     batch: list[memoryview] = []
