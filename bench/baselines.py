@@ -8,6 +8,10 @@ Each is made as well as its kind allows, so a ratio against it means something:
   confirms each transfer with one byte. One connection per payload size, reused by the warm-up
   and the timed repeats (connection setup is not timed); after the repeats the receiver's buffer
   is checked against the payload (xxh3), untimed;
+- raw_tcp_xxh3: the same stream doing the integrity work every pdserve path does: the sender
+  hashes each 1 MiB piece (xxh3) before sending it, the receiver each piece after it lands. The
+  ratio against it is what the protocol costs beyond moving and checking bytes
+  (`python -m bench.tcp_hash` splits the checksum's cost by side);
 - ray_put_get: `ray.put` of the payload array in the driver, then an actor method that `ray.get`s
   it and copies it into its preallocated, pre-touched buffer; timed from before the put until the
   method's reply. Measured only while Ray is running (the benchmark starts it for the `ray`
@@ -72,13 +76,14 @@ def memcpy(nbytes: int, repeats: int = 5) -> float:
 
 
 def raw_tcp(payload: memoryview, open_sink, repeats: int = 5, warmup: int = 1,
-            digest=None) -> dict:
+            digest=None, hashed: bool = False) -> dict:
     """A well-made socket transfer into another process; {"gb_per_s", "verified"}.
 
     open_sink(nbytes) -> port of a sink in another process that, per transfer, receives nbytes
     into its pre-touched buffer and replies one byte (see `bench.migrate_peer.raw_tcp_sink`); the
     connection is opened once and reused for the warm-up and every timed repeat.
-    digest(port) -> xxh3-64 of the sink's buffer (optional; checked after the repeats, untimed)."""
+    digest(port) -> xxh3-64 of the sink's buffer (optional; checked after the repeats, untimed).
+    hashed: xxh3 each piece before sending it (the sink must hash on its side too: raw_tcp_xxh3)."""
     payload = payload.cast("B")
     n = payload.nbytes
     port = open_sink(n)
@@ -88,6 +93,8 @@ def raw_tcp(payload: memoryview, open_sink, repeats: int = 5, warmup: int = 1,
         for r in range(warmup + repeats):
             t0 = time.perf_counter()
             for off in range(0, n, PIECE):
+                if hashed:
+                    xxhash.xxh3_64_intdigest(payload[off:off + PIECE])
                 s.sendall(payload[off:off + PIECE])
             if s.recv(1) != b"k":
                 raise RuntimeError("raw tcp sink did not confirm")
@@ -234,10 +241,18 @@ class Baselines:
         self.sizes.add(n)
         reps = max(3, self.repeats)
         payload = np.random.default_rng(n).integers(1, 256, size=n, dtype=np.uint8)
-        tcp = raw_tcp(memoryview(payload), lambda k: self.peer.call(cmd="raw_tcp", nbytes=k)["port"], reps,
-                      digest=lambda port: self.peer.call(cmd="raw_tcp_digest", port=port)["digest"])
+
+        def tcp_row(hashed: bool) -> dict:
+            def sink(k: int) -> int:
+                return self.peer.call(cmd="raw_tcp", nbytes=k, hashed=hashed)["port"]
+
+            return raw_tcp(memoryview(payload), sink, reps, hashed=hashed,
+                           digest=lambda port: self.peer.call(cmd="raw_tcp_digest", port=port)["digest"])
+
+        tcp = {hashed: tcp_row(hashed) for hashed in (False, True)}
         rows = [{"name": "memcpy", "bytes": n, "gb_per_s": memcpy(n, reps)},
-                {"name": "raw_tcp", "bytes": n, **tcp},
+                {"name": "raw_tcp", "bytes": n, **tcp[False]},
+                {"name": "raw_tcp_xxh3", "bytes": n, **tcp[True]},
                 self._ray_row(payload, reps)]
         if n <= PICKLE_MAX_BYTES:
             rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": self.pickle.measure(payload, 3)})

@@ -95,9 +95,10 @@ class Peer:
 _SINKS: dict[int, np.ndarray] = {}  # port -> the buffer of the latest raw_tcp sink
 
 
-def raw_tcp_sink(nbytes: int, piece: int = 1 << 20) -> dict:
+def raw_tcp_sink(nbytes: int, piece: int = 1 << 20, hashed: bool = False) -> dict:
     """Listen; a thread accepts one connection and, until it closes, receives `nbytes` per
-    transfer into a pre-touched buffer (`recv_into` of at most `piece` bytes) and replies b"k"."""
+    transfer into a pre-touched buffer (`recv_into` of at most `piece` bytes; hashed: each piece
+    hashed with xxh3 once it has landed) and replies b"k"."""
     _SINKS.clear()  # one sink at a time: the previous size's buffer is released
     buf = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults inside the measurement
     srv = socket.socket()
@@ -119,12 +120,15 @@ def raw_tcp_sink(nbytes: int, piece: int = 1 << 20) -> dict:
         mv = memoryview(buf)
         try:
             while True:
-                got = 0
-                while got < nbytes:
-                    n = conn.recv_into(mv[got:got + min(piece, nbytes - got)])
-                    if n == 0:
-                        return  # the benchmark closed the connection
-                    got += n
+                for at in range(0, nbytes, piece):
+                    got, end = at, min(at + piece, nbytes)
+                    while got < end:
+                        n = conn.recv_into(mv[got:end])
+                        if n == 0:
+                            return  # the benchmark closed the connection
+                        got += n
+                    if hashed:
+                        xxhash.xxh3_64_intdigest(mv[at:end])
                 conn.sendall(b"k")
         except OSError:
             return
@@ -201,7 +205,7 @@ def main() -> None:
                 ctl.send(msgpack.packb({"ok": True}))
                 break
             handlers = {"setup": peer.setup, "result": peer.result, "stats": lambda c: peer.stats(),
-                        "raw_tcp": lambda c: raw_tcp_sink(c["nbytes"]),
+                        "raw_tcp": lambda c: raw_tcp_sink(c["nbytes"], hashed=bool(c.get("hashed"))),
                         "raw_tcp_digest": lambda c: raw_tcp_digest(c["port"]), "ping": lambda c: {"ok": True}}
             reply = handlers[name](cmd)
         except Exception as e:  # report to the benchmark instead of dying silently

@@ -35,10 +35,19 @@ def checksum_parts(parts) -> int:
 
 def checksum_many(items, threads: int = 1) -> list[int]:
     """xxh3-64 of each item (a list of buffers, hashed as their concatenation), in order; spread
-    over `threads` threads when there is more than one item."""
-    if threads <= 1 or len(items) < 2:
+    over `threads` threads when there is more than one item and PARALLEL_MIN_BYTES in all."""
+    if threads <= 1 or len(items) < 2 or total_bytes(items) < PARALLEL_MIN_BYTES:
         return [checksum_parts(p) for p in items]
     return list(worker_pool(threads).map(checksum_parts, items))
+
+
+# below this many bytes a hand-off to the pool costs more than it saves
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+def total_bytes(items) -> int:
+    """Bytes in items (each a list of buffers)."""
+    return sum(memoryview(b).nbytes for bufs in items for b in bufs)
 
 
 @functools.cache

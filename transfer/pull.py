@@ -22,7 +22,7 @@ import stat
 import numpy as np
 
 from kvcache.shm_pool import PREFIX, SHM_DIR
-from transfer.checksum import checksum_many, hasher, worker_pool
+from transfer.checksum import PARALLEL_MIN_BYTES, checksum_many, hasher, total_bytes, worker_pool
 from transfer.errors import FrameCountError, MalformedMessage
 from transfer.messages import PoolOffer
 
@@ -152,7 +152,7 @@ class ShmSource:
             if offset + sum(b.nbytes for b in bufs) > self.map.size:
                 raise MalformedMessage("a chunk lies outside the sender's pool")
             pairs.append((offset, bufs))
-        if threads <= 1 or len(pairs) < 2:
+        if threads <= 1 or len(pairs) < 2 or total_bytes(bufs for _, bufs in pairs) < PARALLEL_MIN_BYTES:
             return [self._copy_hashed(*p) for p in pairs]
         return list(worker_pool(threads).map(lambda p: self._copy_hashed(*p), pairs))
 
