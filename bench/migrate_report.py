@@ -103,7 +103,9 @@ def plot(report: dict, path: str) -> None:
 
     res = report["results"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for key in sorted({(r["transport"], r["kv_shape"], r["block_size"]) for r in res}):
+    keys = sorted({(r["transport"], r["kv_shape"], r["block_size"]) for r in res})
+    ax1.set_prop_cycle(color=[plt.get_cmap("tab20")(i % 20) for i in range(len(keys))])  # one each
+    for key in keys:
         rows = sorted((r for r in res if (r["transport"], r["kv_shape"], r["block_size"]) == key),
                       key=lambda r: r["tokens"])
         x = [r["tokens"] for r in rows]
@@ -120,10 +122,12 @@ def plot(report: dict, path: str) -> None:
     ax1.legend(fontsize=7)
     nbytes = max(r["bytes"] for r in res)
     bars = [(r["transport"], r["gb_per_s"]) for r in res if r["bytes"] == nbytes]
-    bars += [(b["name"], b["gb_per_s"]) for b in report["baselines"]
-             if b["bytes"] == nbytes and b.get("gb_per_s")]
+    transports = {n for n, _ in bars}
+    # a baseline named like a transport (nixl) gets its own bar, not the transport's
+    bars += [(b["name"] + (" (bare)" if b["name"] in transports else ""), b["gb_per_s"])
+             for b in report["baselines"] if b["bytes"] == nbytes and b.get("gb_per_s")]
     names = [n for n, _ in bars]
-    colors = ["tab:blue" if n in {r["transport"] for r in res} else "tab:gray" for n in names]
+    colors = ["tab:blue"] * len(transports) + ["tab:gray"] * (len(bars) - len(transports))
     ax2.bar(names, [v for _, v in bars], color=colors)
     for i, (_, v) in enumerate(bars):
         ax2.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
