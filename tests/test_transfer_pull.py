@@ -65,7 +65,8 @@ def test_copies_land_the_same_bytes_and_report_their_checksums(threads, monkeypa
     fill_random_sequence(src, "a", 600, torch.Generator().manual_seed(3), list(range(1, 601)))
     pool = bytes(src.storage.block_bytes_view(0, 38))
     # items of several buffers each, cut off the window grid, one smaller than a window
-    cuts = [(5, [WINDOW + 3, 2 * WINDOW - 1]), (4 * WINDOW + 11, [7, WINDOW // 2]), (9 * WINDOW, [3 * WINDOW])]
+    cuts = [(5, [WINDOW + 3, 2 * WINDOW - 1]), (4 * WINDOW + 11, [7, WINDOW // 2]),
+            (9 * WINDOW, [3 * WINDOW])]
     items = [(off, [memoryview(bytearray(n)) for n in sizes]) for off, sizes in cuts]
     digests = ShmSource(src.storage.shm_path.encode()).read_many(items, threads)
     for (off, bufs), digest in zip(items, digests):
