@@ -54,7 +54,7 @@ def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int, secre
     from transfer.errors import TransferError
     from transfer.metrics import TransferMetrics
     from transfer.transport import TransportConfig
-    from transfer.zmq_transport import ZmqReceiver
+    from transfer.zmq_receiver import ZmqReceiver
 
     faulthandler.enable()
     lock = threading.Lock()

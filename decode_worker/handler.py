@@ -57,7 +57,7 @@ class DecodeHandler:
         """NOTE: the engine's pool must have been built with `held_back` calling this handler's
         `held_back` (decode_worker.worker does): the running requests' growth must not eat the room
         promised to coming migrations (an import that found the pool full would fail its request)."""
-        from transfer.transport import TransportConfig, tcp_address
+        from transfer.transport import TransportConfig
 
         self.config, self.engine = config, engine
         self.transport = get_transport(config.transport)
@@ -74,7 +74,7 @@ class DecodeHandler:
         self.refused_imports = 0
         self.local = LocalPrefill(engine)  # requests prefilled here (coordinator.decide's local path)
         keys = config.keys
-        endpoint = TransportConfig(address=tcp_address(_bind_host(config.kv_host), 0), peer_name=config.name,
+        endpoint = TransportConfig(address=f"tcp://{_bind_host(config.kv_host)}:0", peer_name=config.name,
                                    secret=keys.secret if keys else "")
         self.receiver = self.transport.make_receiver(engine.kv, endpoint, admission=self.credits,
                                                      port_min=config.kv_port_min, port_max=config.kv_port_max)
@@ -92,10 +92,9 @@ class DecodeHandler:
             if granted:
                 self.expected[cmd.request_id] = (cmd.epoch, set())  # NOTE: before any import can arrive
                 self.due[cmd.request_id] = cmd.n
-                while len(self.expected) > MAX_EXPECTED:
-                    self.expected.pop(next(iter(self.expected)))
-                while len(self.due) > MAX_EXPECTED:
-                    self.due.pop(next(iter(self.due)))
+                for bounded in (self.expected, self.due):
+                    while len(bounded) > MAX_EXPECTED:
+                        bounded.pop(next(iter(bounded)))
             return Reply(granted=granted)
         if isinstance(cmd, Abort):
             self.credits.release(cmd.request_id)
@@ -222,14 +221,10 @@ class DecodeHandler:
 
     def holdings(self) -> dict[str, int]:
         landing = self.receiver.in_flight()
-        return blocks_by_request(self.engine, self.engine.requests, _request_of, landing)
+        return blocks_by_request(self.engine, self.engine.requests, lambda t: t.rpartition("/")[0], landing)
 
     def close(self) -> None:
         self.receiver.close()
-
-
-def _request_of(transfer_id: str) -> str:
-    return transfer_id.rpartition("/")[0]
 
 
 def _bind_host(kv_host: str) -> str:

@@ -18,8 +18,10 @@ SUFFIX = "/local"
 
 
 class LocalPrefill:
-    def __init__(self, engine):
-        self.engine = engine
+    """suffix: appended to the request id to name its engine request (the colocated worker: none)."""
+
+    def __init__(self, engine, suffix: str = SUFFIX):
+        self.engine, self.suffix = engine, suffix
         self.requests: dict[str, tuple[str, object]] = {}  # engine request id -> (request id, engine Request)
         self.submitted = 0
 
@@ -30,7 +32,7 @@ class LocalPrefill:
         return refuse_submit(self.engine, cmd) or QUEUE
 
     def submit(self, cmd: Submit, events: list) -> None:
-        key = cmd.request_id + SUFFIX
+        key = cmd.request_id + self.suffix
         if key in self.engine.requests:
             self.engine.abort(key)  # an earlier attempt of the same request: this one supersedes it
         try:
@@ -42,7 +44,7 @@ class LocalPrefill:
         self.submitted += 1
 
     def abort(self, rid: str) -> None:
-        key = rid + SUFFIX
+        key = rid + self.suffix
         if self.requests.pop(key, None) is not None or key in self.engine.requests:
             self.engine.abort(key)
 

@@ -19,7 +19,7 @@ from protocol.messages import Imported, RequestFailed, Reserve, Tokens
 from protocol.sampling import SamplingParams
 from transfer.messages import DecodeState
 from transfer.transport import TransportConfig
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 
 def test_a_bad_field_from_the_wire_is_refused_and_never_kills_the_loop():

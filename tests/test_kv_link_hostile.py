@@ -24,7 +24,7 @@ from transfer.codec import encode
 from transfer.messages import PROTOCOL_VERSION
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 SECRET = ClusterKeys.generate().secret
 

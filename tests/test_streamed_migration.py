@@ -18,7 +18,7 @@ from bench.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.messages import DecodeState
 from transfer.transport import TransportConfig
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from bench.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.faults import Faults
 from transfer.transport import TransportConfig
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 EXPECT = {  # fault -> the receiver's typed error (None: the transfer still succeeds)
     "flip_payload": E.ChecksumError,

@@ -12,7 +12,8 @@ from kvcache.storage import KVLayout
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence
 from transfer.transport import TransportConfig
-from transfer.zmq_transport import ZmqReceiver, ZmqSender
+from transfer.zmq_channel import ZmqSender
+from transfer.zmq_receiver import ZmqReceiver
 
 pytestmark = pytest.mark.gpu
 SHAPE = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}

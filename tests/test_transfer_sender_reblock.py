@@ -18,7 +18,7 @@ from transfer.blocks import prefix_hashes_at
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession, import_sequence
 from transfer.transport import TransportConfig
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 
 @pytest.mark.parametrize("src_bs,dst_bs", [(16, 32), (32, 16), (16, 8), (8, 16), (16, 24)])

@@ -22,7 +22,7 @@ from transfer.messages import Hello
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.transport import TransportConfig, ipc_address
 from transfer.wire import TOKEN
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from transfer.metrics import TransferMetrics
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
-from transfer.zmq_transport import ZmqReceiver
+from transfer.zmq_receiver import ZmqReceiver
 
 
 def _poll_until(rx, pred, what, timeout=10.0):

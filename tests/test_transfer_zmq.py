@@ -17,7 +17,7 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig, ipc_address
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

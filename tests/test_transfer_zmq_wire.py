@@ -20,7 +20,7 @@ from transfer.export import ExportConfig, export_sequence
 from transfer.messages import PROTOCOL_VERSION, Hello
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
-from transfer.zmq_transport import ZmqSender
+from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

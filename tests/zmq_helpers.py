@@ -13,7 +13,7 @@ from kvcache.storage import KVLayout
 from transfer import errors as E
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig
-from transfer.zmq_transport import ZmqReceiver
+from transfer.zmq_receiver import ZmqReceiver
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 bytes a token
 

@@ -28,21 +28,3 @@ migration benchmark (`pdserve bench migrate`) and its synthetic pools live in th
 Entry points for workers: `export_sequence` / `import_sequence` (in process), `ImportSession`
 (driven chunk by chunk), `registry.get(name).make_sender(...)` / `.make_receiver(...)`.
 """
-
-from importlib import import_module
-
-# loaded on first use (PEP 562): `transfer.registry` and `transfer.channel` stay torch-free for the
-# coordinator, which validates transport names with them
-_EXPORTS = {"TransferError": "transfer.errors", "ExportConfig": "transfer.export",
-            "ExportedSequence": "transfer.export", "export_sequence": "transfer.export",
-            "ImportResult": "transfer.importer", "ImportSession": "transfer.importer",
-            "import_sequence": "transfer.importer", "PROTOCOL_VERSION": "transfer.messages",
-            "DecodeState": "transfer.messages", "Manifest": "transfer.messages", "Limits": "transfer.schema",
-            "TransportConfig": "transfer.transport"}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)

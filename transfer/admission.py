@@ -30,9 +30,6 @@ class OpenAdmission:
     def admit_query(self, request_id: str, peer: str) -> bool:
         return True
 
-    def make_room(self, blocks: int) -> None:
-        return None
-
 
 OPEN = OpenAdmission()
 

@@ -84,9 +84,7 @@ def unseal(data) -> memoryview:
 
 
 def decode_manifest(data, limits: Limits = DEFAULT_LIMITS):
-    from transfer.messages import Manifest
-
-    return decode(data, limits, Manifest)
+    return decode(data, limits, MESSAGE_KINDS["manifest"])
 
 
 def decode_reply(data, cls, limits: Limits, metrics):

@@ -38,6 +38,3 @@ class EpochGuard:
     def abort(self, request_id: str, epoch: int) -> None:
         if self._in_flight.get(request_id) == epoch:
             del self._in_flight[request_id]
-
-    def last_committed(self, request_id: str) -> int | None:
-        return self._committed.get(request_id)

@@ -22,7 +22,7 @@ from kvcache.manager import KVCacheManager, blocks_for
 from transfer.blocks import skipped_blocks
 from transfer.checksum import checksum_many
 from transfer.codec import DEFAULT_LIMITS
-from transfer.export_reblock import gather_reblocked, receiver_runs
+from transfer.export_reblock import block_runs, gather_reblocked
 from transfer.messages import DecodeState, FrameDesc, Manifest, validate_sampling
 from transfer.schema import Limits
 from transfer.staging import DeviceChunks, stage_all
@@ -135,28 +135,22 @@ def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int
     blocks = t.blocks[:nb]
     hashes = t.block_hashes[:n // B] if len(t.block_hashes) >= n // B else \
         manager.prefix_hashes(t.token_ids[:n], t.extra_key)
-    if frame_block_size and frame_block_size != B:
-        if reuse and reuse_block_size != frame_block_size:
-            raise ValueError("reuse must be given in the receiver's blocks, the frames' block size")
-        manifest = Manifest(
-            request_id=str(request_id), epoch=int(epoch), fingerprint=storage.layout.fingerprint(),
-            num_tokens=n, block_tokens=tuple([B] * (nb - 1) + [n - (nb - 1) * B]),
-            block_hashes=tuple(hashes), frames=(), chunk_bytes=config.chunk_bytes, state=state,
-            checksum_mode=config.checksum_mode, extra_key=t.extra_key, reuse=tuple(reuse),
-            reuse_block_size=reuse_block_size if reuse else 0, frame_block_size=frame_block_size)
+    reblock = frame_block_size not in (0, B)
+    if reblock and reuse and reuse_block_size != frame_block_size:
+        raise ValueError("reuse must be given in the receiver's blocks, the frames' block size")
+    manifest = Manifest(  # its frames follow
+        request_id=str(request_id), epoch=int(epoch), fingerprint=storage.layout.fingerprint(),
+        num_tokens=n, block_tokens=tuple([B] * (nb - 1) + [n - (nb - 1) * B]),
+        block_hashes=tuple(hashes), frames=(), chunk_bytes=config.chunk_bytes, state=state,
+        checksum_mode=config.checksum_mode, extra_key=t.extra_key, reuse=tuple(reuse),
+        reuse_block_size=reuse_block_size if reuse else 0,
+        frame_block_size=frame_block_size if reblock else 0)
+    if reblock:
         return _reblocked(manager, manifest, blocks, config)
     skip = skipped_blocks(n, B, set(reuse), reuse_block_size)
     bb = storage.layout.block_bytes
-    max_run = max(1, config.max_frame_bytes // bb)
-    runs: list[list[int]] = []  # [first logical block, count]
-    for i in range(nb):
-        if skip[i]:
-            continue
-        r = runs[-1] if runs else None
-        if r and r[0] + r[1] == i and blocks[i - 1] + 1 == blocks[i] and r[1] < max_run:
-            r[1] += 1
-        else:
-            runs.append([i, 1])
+    runs = block_runs([i for i in range(nb) if not skip[i]], max(1, config.max_frame_bytes // bb),
+                      lambda i: blocks[i - 1] + 1 == blocks[i])  # physically adjacent too
     held = [blocks[i] for first, count in runs for i in range(first, first + count)] if config.lease else []
     for b in held:
         manager.allocator.incref(b)
@@ -171,15 +165,7 @@ def export_sequence(manager: KVCacheManager, seq_id, request_id: str, epoch: int
         else:
             def source():
                 yield from DeviceChunks(storage.data, ranges, config.chunk_bytes)
-        cb = config.chunk_bytes
-        sums = _chunk_sums(frames, config) if config.checksum_mode == "manifest" else [None] * len(runs)
-        descs = [FrameDesc(first, count, count * bb, s) for (first, count), s in zip(runs, sums)]
-        manifest = Manifest(
-            request_id=str(request_id), epoch=int(epoch), fingerprint=storage.layout.fingerprint(),
-            num_tokens=n, block_tokens=tuple([B] * (nb - 1) + [n - (nb - 1) * B]),
-            block_hashes=tuple(hashes), frames=tuple(descs), chunk_bytes=cb, state=state,
-            checksum_mode=config.checksum_mode, extra_key=t.extra_key, reuse=tuple(reuse),
-            reuse_block_size=reuse_block_size if reuse else 0)
+        manifest = dataclasses.replace(manifest, frames=_descs(runs, frames, bb, config))
     except BaseException:
         manager.allocator.free_many(held[::-1])
         raise
@@ -195,14 +181,18 @@ def _reblocked(manager: KVCacheManager, manifest: Manifest, blocks: list[int],
     sent = [j for j in range(blocks_for(n, R)) if j not in reused]
     buf = gather_reblocked(manager.storage, blocks, n, R, sent).view(-1).view(torch.uint8).numpy()
     rbb = manager.storage.layout.token_bytes * R
-    frames, runs, pos = [], receiver_runs(sent, max(1, config.max_frame_bytes // rbb)), 0
+    frames, runs, pos = [], block_runs(sent, max(1, config.max_frame_bytes // rbb)), 0
     for _, count in runs:
         frames.append(memoryview(buf[pos:pos + count * rbb]))
         pos += count * rbb
+    manifest = dataclasses.replace(manifest, frames=_descs(runs, frames, rbb, config))
+    return ExportedSequence(manifest, frames, None, manager.allocator, [], config.lease_s)
+
+
+def _descs(runs, frames, block_bytes: int, config: ExportConfig) -> tuple[FrameDesc, ...]:
+    """The frame descriptors of `runs` ([first logical block, count]), checksummed in "manifest" mode."""
     sums = _chunk_sums(frames, config) if config.checksum_mode == "manifest" else [None] * len(runs)
-    descs = [FrameDesc(first, count, count * rbb, s) for (first, count), s in zip(runs, sums)]
-    return ExportedSequence(dataclasses.replace(manifest, frames=tuple(descs)), frames, None,
-                            manager.allocator, [], config.lease_s)
+    return tuple(FrameDesc(first, count, count * block_bytes, s) for (first, count), s in zip(runs, sums))
 
 
 def _chunk_sums(frames, config: ExportConfig) -> list[tuple[int, ...]]:

@@ -36,12 +36,13 @@ def gather_reblocked(storage: KVStorage, blocks: list[int], num_tokens: int, blo
     return out
 
 
-def receiver_runs(sent: list[int], max_blocks: int) -> list[list[int]]:
-    """[first logical block, count] runs of consecutive sent blocks, each at most max_blocks."""
+def block_runs(sent: list[int], max_blocks: int, adjacent=None) -> list[list[int]]:
+    """[first logical block, count] runs of consecutive sent blocks, each at most max_blocks (and,
+    given `adjacent(j)`, only where block j may join the block before it)."""
     runs: list[list[int]] = []
     for j in sent:
         r = runs[-1] if runs else None
-        if r and r[0] + r[1] == j and r[1] < max_blocks:
+        if r and r[0] + r[1] == j and r[1] < max_blocks and (adjacent is None or adjacent(j)):
             r[1] += 1
         else:
             runs.append([j, 1])

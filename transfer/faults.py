@@ -52,10 +52,6 @@ class Faults:
         with self._lock:
             return self.injected["flip_payload"] + self.injected["flip_manifest"]
 
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"armed": len(self._armed), "injected": dict(self.injected)}
-
     # ---- applying one fault ----------------------------------------------------------------------
     def manifest(self, kind: str | None, body: bytes) -> list[bytes]:
         """The manifest bodies to send for this transfer (none, one, two; maybe flipped)."""

@@ -93,10 +93,7 @@ def check_reuse(allocator: BlockAllocator, manifest: Manifest,
     receiver_size = checked.plan.dst_block_size
     reuse_hashes = []
     if manifest.reuse:
-        hashes = checked.sender_hashes
-        if receiver_size != checked.plan.src_block_size:
-            kv_tokens = manifest.state.token_ids[:manifest.num_tokens]
-            hashes = prefix_hashes_at(kv_tokens, receiver_size, manifest.extra_key)
+        hashes = _receiver_hashes(manifest, checked)
         reuse_hashes = [hashes[j] for j in manifest.reuse]
     revived = 0
     for block_hash in reuse_hashes:
@@ -116,13 +113,17 @@ def cached_prefix(allocator: BlockAllocator, manifest: Manifest, checked: Checke
     then shares those blocks, as a queried one would, and discards their bytes."""
     if manifest.reuse:
         return []
-    hashes = checked.sender_hashes
-    if checked.plan.dst_block_size != checked.plan.src_block_size:
-        hashes = prefix_hashes_at(manifest.state.token_ids[:manifest.num_tokens], checked.plan.dst_block_size,
-                                  manifest.extra_key)
     out = []
-    for block_hash in hashes:
+    for block_hash in _receiver_hashes(manifest, checked):
         if allocator.lookup(block_hash) is None:
             break
         out.append(block_hash)
     return out
+
+
+def _receiver_hashes(manifest: Manifest, checked: CheckedManifest) -> list[int]:
+    """Prefix hashes of the sequence's full blocks at the receiver's block size."""
+    if not checked.plan.reblock:
+        return checked.sender_hashes
+    return prefix_hashes_at(manifest.state.token_ids[:manifest.num_tokens], checked.plan.dst_block_size,
+                            manifest.extra_key)

@@ -16,6 +16,7 @@ was. `import_sequence` drives a session over in-memory frames.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -62,31 +63,37 @@ class ImportSession:
     """One in-progress import into `manager`'s pool. Not thread-safe; use the owner's thread."""
 
     def __init__(self, manager: KVCacheManager, manifest: Manifest, plan: CompatPlan | None = None, *,
-                 seq_id=None, epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
+                 epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
                  stage: bool = False, make_room=None, local_dedupe_bytes: int = 256 << 10):
         t0 = time.perf_counter()
         self.local_dedupe_bytes = local_dedupe_bytes  # reuse cached blocks of an unqueried payload this small
         self.make_room = make_room  # admission.make_room: asked once for room when the pool is short
         self.manager, self.manifest, self.metrics = manager, manifest, metrics or DEFAULT_METRICS
-        self.epochs, self.seq_id = epochs, manifest.request_id if seq_id is None else seq_id
+        self.epochs, self.seq_id = epochs, manifest.request_id
         self._allocated: list[int] = []
         self._acquired: list[int] = []
         self._claimed = self._done = False
         self.sink = self.staging = None
-        try:
+        with self.aborting():
             self._validate(plan)
             self._reserve()
             self._setup_targets(stage)
+        self._next = (0, 0)
+        self.nbytes = 0
+        self.timings = {"prepare_ms": (time.perf_counter() - t0) * 1e3}
+        self.started = self.last_activity = time.monotonic()
+
+    @contextlib.contextmanager
+    def aborting(self):
+        """Any failure inside aborts the session (a TransferError counted), then propagates."""
+        try:
+            yield
         except TransferError as e:
             self.abort(e)
             raise
         except BaseException:
             self.abort()
             raise
-        self._next = (0, 0)
-        self.nbytes = 0
-        self.timings = {"prepare_ms": (time.perf_counter() - t0) * 1e3}
-        self.started = self.last_activity = time.monotonic()
 
     # ---- validation and reservation -----------------------------------------------------
     def _validate(self, plan: CompatPlan | None) -> None:
@@ -202,7 +209,7 @@ class ImportSession:
         """Make the import visible (adopt the blocks) once every chunk has arrived and verified."""
         t0 = time.perf_counter()
         manifest = self.manifest
-        try:
+        with self.aborting():
             if self._done:
                 raise FrameCountError("session already finished")
             if self.next_chunk() is not None:
@@ -214,12 +221,6 @@ class ImportSession:
                                self.reused, self.checked.frame_block_size, manifest.num_tokens)
             self.manager.adopt(self.seq_id, self.dst_blocks, manifest.state.token_ids[:manifest.num_tokens],
                                manifest.extra_key)
-        except TransferError as e:
-            self.abort(e)
-            raise
-        except BaseException:
-            self.abort()
-            raise
         self._done = True
         if self._claimed:
             self.epochs.commit(manifest.request_id, manifest.epoch)  # type: ignore[union-attr]
@@ -248,9 +249,9 @@ class ImportSession:
             self.metrics.record_error(err)
 
 
-def import_sequence(manager: KVCacheManager, manifest, frames, plan: CompatPlan | None = None, *, seq_id=None,
-                    epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
-                    limits: Limits = DEFAULT_LIMITS, stage: bool = False, make_room=None) -> ImportResult:
+def import_sequence(manager: KVCacheManager, manifest, frames, *, epochs: EpochGuard | None = None,
+                    metrics: TransferMetrics | None = None, limits: Limits = DEFAULT_LIMITS,
+                    stage: bool = False, make_room=None) -> ImportResult:
     """Import from a manifest (typed or msgpack bytes) and a list of frame buffers, in process.
 
     Raises a TransferError (counted in `metrics`) and leaves the pool unchanged on any failure.
@@ -261,10 +262,10 @@ def import_sequence(manager: KVCacheManager, manifest, frames, plan: CompatPlan 
     except TransferError as e:
         metrics.record_error(e)
         raise
-    session = ImportSession(manager, manifest, plan, seq_id=seq_id, epochs=epochs, metrics=metrics,
-                            stage=stage, make_room=make_room)
+    session = ImportSession(manager, manifest, epochs=epochs, metrics=metrics, stage=stage,
+                            make_room=make_room)
     chunk_bytes = manifest.chunk_bytes
-    try:
+    with session.aborting():
         if len(frames) != len(manifest.frames):
             raise FrameCountError(f"{len(frames)} frames for a manifest of {len(manifest.frames)}")
         for frame, buf in enumerate(frames):
@@ -274,15 +275,15 @@ def import_sequence(manager: KVCacheManager, manifest, frames, plan: CompatPlan 
                 raise FrameSizeError(f"frame {frame}: {view.nbytes} bytes, manifest says {desc.nbytes}")
             for chunk in range(desc.num_chunks(chunk_bytes)):
                 targets = session.chunk_buffers(frame, chunk)
-                pos = chunk * chunk_bytes
-                for target in targets:
-                    target[:] = view[pos:pos + target.nbytes]
-                    pos += target.nbytes
-                session.chunk_done(frame, chunk, pos - chunk * chunk_bytes, targets)
-    except TransferError as e:
-        session.abort(e)
-        raise
-    except BaseException:
-        session.abort()
-        raise
+                n = fill(targets, view[chunk * chunk_bytes:])
+                session.chunk_done(frame, chunk, n, targets)
     return session.commit()
+
+
+def fill(bufs, data) -> int:
+    """Copy the start of `data` into `bufs` in turn; the bytes copied."""
+    pos = 0
+    for b in bufs:
+        b[:] = data[pos:pos + b.nbytes]
+        pos += b.nbytes
+    return pos

@@ -115,10 +115,6 @@ class Manifest:
     version: int = PROTOCOL_VERSION
 
     @property
-    def block_size(self) -> int:
-        return self.fingerprint["block_size"]
-
-    @property
     def payload_bytes(self) -> int:
         return sum(f.nbytes for f in self.frames)
 

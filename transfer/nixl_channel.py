@@ -169,7 +169,7 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
 
 def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
     """A ZeroMQ receiver; NIXL pool offers are read since this module registered its way."""
-    from transfer.zmq_transport import make_receiver as zmq_receiver
+    from transfer.zmq_receiver import make_receiver as zmq_receiver
 
     NixlAgent(_name("probe")).close()  # NixlUnavailable here, at start, rather than at the first offer
     return zmq_receiver(manager, config, admission=admission, port_min=port_min, port_max=port_max)

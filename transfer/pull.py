@@ -90,31 +90,6 @@ def _landed(source, items, threads: int) -> list[int]:
     return digests
 
 
-class PeerPool:
-    """A same-node sender's pool file, mapped read-only."""
-
-    def __init__(self, path: str):
-        real = os.path.realpath(path)
-        name = os.path.basename(real)
-        if os.path.dirname(real) != SHM_DIR or not name.startswith(PREFIX):
-            raise MalformedMessage("not a pdserve pool file")
-        st = os.stat(real)  # FileNotFoundError (another node) is the caller's to catch
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise MalformedMessage("not a pdserve pool file")
-        self.path = real
-        self.map = np.memmap(real, dtype=np.uint8, mode="r")  # (file bytes,)
-
-
-def open_peer_pool(path: str) -> PeerPool | None:
-    """The sender's pool when this process can map it (same node), else None."""
-    if not path:
-        return None
-    try:
-        return PeerPool(path)
-    except (OSError, ValueError, MalformedMessage):
-        return None
-
-
 class ShmAdvert:
     """Sender side of "shm": a pool in a /dev/shm file (`kvcache.shm_pool`)."""
 
@@ -136,13 +111,19 @@ class ShmAdvert:
 
 
 class ShmSource:
-    """Receiver side of "shm": the sender's pool file mapped read-only (`PeerPool` checks it)."""
+    """Receiver side of "shm": a same-node sender's pool file (a regular file of this user's in
+    SHM_DIR named PREFIX...), mapped read-only."""
 
     def __init__(self, blob: bytes, storage=None):
-        pool = open_peer_pool(blob.decode("utf-8", "replace"))
-        if pool is None:
-            raise MalformedMessage("the offered pool file cannot be opened here (another node?)")
-        self.map = pool.map
+        try:
+            real = os.path.realpath(blob.decode("utf-8", "replace"))
+            st = os.stat(real)  # FileNotFoundError: another node's file
+            if (os.path.dirname(real) != SHM_DIR or not os.path.basename(real).startswith(PREFIX)
+                    or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()):
+                raise ValueError("not a pdserve pool file")
+            self.map = np.memmap(real, dtype=np.uint8, mode="r")  # (file bytes,)
+        except (OSError, ValueError):
+            raise MalformedMessage("the offered pool file cannot be opened here (another node?)") from None
 
     def read_many(self, items, threads: int = 1) -> list[int]:
         """Copy each (offset in the sender's pool, destination buffers) item, the items shared by

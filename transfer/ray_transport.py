@@ -22,13 +22,10 @@ import time
 
 import msgpack
 
-from transfer.admission import OPEN
 from transfer.codec import encode
-from transfer.epochs import EpochGuard
 from transfer.errors import MalformedMessage, TransferError, TransportClosed
 from transfer.importer import ImportResult
 from transfer.messages import Nack
-from transfer.metrics import TransferMetrics
 from transfer.receiver import ListParts, MessageReceiver
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
@@ -55,9 +52,9 @@ def decode_headers(data, limit: int = MAX_MESSAGES) -> list[bytes]:
 class RayReceiverEndpoint(MessageReceiver):
     """Decode side. `deliver` from any thread; everything else on the owner's thread."""
 
-    def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
-                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
-        super().__init__(manager, config, epochs=epochs, metrics=metrics, stage=stage, admission=admission)
+    def __init__(self, manager, config: TransportConfig | None = None, **kwargs):
+        """kwargs: MessageReceiver's (epochs, metrics, stage, admission)."""
+        super().__init__(manager, config, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (conn, headers, bodies, future)
         self._outbox: dict[bytes, list] = {}  # connection -> answers not returned yet
         self._committed: list[ImportResult] = []  # imports committed by calls, not yet polled

@@ -44,8 +44,8 @@ def check_compatible(sender_fp: dict, receiver_fp: dict) -> CompatPlan:
 
 
 def reblock_copy(dst: torch.Tensor, dst_blocks: list[int | None], src: torch.Tensor,
-                 src_index: list[int | None], num_tokens: int) -> int:
-    """Copy every token of the receiver's new blocks from sender blocks; returns copies made.
+                 src_index: list[int | None], num_tokens: int) -> None:
+    """Copy every token of the receiver's new blocks from sender blocks.
 
     dst: the receiver pool, (N, L, 2, Br, H, D). dst_blocks[j]: physical block of receiver
     logical block j, or None when j is reused (already holds its tokens).
@@ -53,7 +53,6 @@ def reblock_copy(dst: torch.Tensor, dst_blocks: list[int | None], src: torch.Ten
     logical block i in `src`, or None when it was not sent (the caller checked coverage).
     """
     Br, Bs = dst.shape[3], src.shape[3]
-    copies = 0
     for j, rb in enumerate(dst_blocks):
         if rb is None:
             continue
@@ -67,6 +66,4 @@ def reblock_copy(dst: torch.Tensor, dst_blocks: list[int | None], src: torch.Ten
                 raise ValueError(f"sender block {s} is needed for receiver block {j} but was not sent")
             # (L, 2, n, H, D) <- (L, 2, n, H, D)
             dst[rb, :, :, t - lo:end - lo].copy_(src[row, :, :, t - s * Bs:end - s * Bs], non_blocking=True)
-            copies += 1
             t = end
-    return copies

@@ -106,36 +106,41 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
     def _forget_all(self) -> None:
         """Every transfer ended (blocks returned) and every offered pool closed: the receiver stops."""
         for p in self.peers.values():
-            if p.landing is not None:  # NOTE: its reader stops before the blocks are freed
-                self.streams.cancel(p.landing)
-                p.landing = None
-            if p.session is not None:
-                p.session.abort()
-                p.session = None
+            s = self._stop(p)
+            if s is not None:
+                s.abort()
             drop_source(p)
+
+    def _stop(self, peer: Peer):
+        """End the peer's transfer here: its landing's reader stopped, its session (returned) dropped."""
+        if peer.landing is not None:  # NOTE: its reader stops before the blocks are freed
+            self.streams.cancel(peer.landing)
+            peer.landing = None
+        s, peer.session = peer.session, None
+        return s
 
     # ---- answers ----------------------------------------------------------------------------------
     def _send(self, ident: bytes, header: bytes, msg) -> None:
         self._deliver(ident, header, encode(msg))
 
-    def _fail(self, ident: bytes, peer: Peer, err: TransferError, counted: bool = False):
+    def _fail(self, ident: bytes, peer: Peer, err: TransferError):
         """Abort the peer's transfer (if any), nack it, count the error once, and raise it."""
-        s, peer.session = peer.session, None
-        if peer.landing is not None:  # NOTE: its reader stops before the blocks are freed
-            self.streams.cancel(peer.landing)
-            peer.landing = None
-        if s is not None:
+        s = self._stop(peer)
+        if s is None:
+            self.metrics.record_error(err)
+        else:
             s.abort(err)  # counts unless the session already counted a failure
             self._send(ident, TOKEN.pack(b"A", peer.token), Nack(s.manifest.request_id, s.manifest.epoch,
                                                                  err.code, str(err)))
-        elif not counted:
-            self.metrics.record_error(err)
         raise err
 
-    def _refuse(self, ident: bytes, header: bytes, err: TransferError, counted: bool = False):
-        if not counted:
-            self.metrics.record_error(err)
-        self._send(ident, header, Nack("", 0, err.code, str(err)))
+    def _nack(self, ident: bytes, header: bytes, err: TransferError, limit: int | None = None) -> None:
+        """Count `err` and answer it with a nack naming no transfer (its text cut to `limit`)."""
+        self.metrics.record_error(err)
+        self._send(ident, header, Nack("", 0, err.code, str(err)[:limit]))
+
+    def _refuse(self, ident: bytes, header: bytes, err: TransferError):
+        self._nack(ident, header, err)
         raise err
 
     def _expire(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from transfer.admission import refused
 from transfer.codec import decode
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
-from transfer.messages import Held, HelloReply, Nack, PoolOffer, PoolReply, Query
+from transfer.messages import Held, HelloReply, PoolOffer, PoolReply, Query
 from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
 from transfer.refusals import as_refusal
@@ -27,10 +27,8 @@ class HandshakeMixin:
 
     def _turn_away(self, ident: bytes, header: bytes, err: TransferError) -> None:
         """Refuse an unauthenticated peer: counted by reason, logged at a bounded rate, nacked."""
-        self.metrics.record_error(err)
         self.refusals.refuse(err.code, str(err))
-        self._send(ident, header, Nack("", 0, err.code, str(err)[:200]))
-        return None
+        return self._nack(ident, header, err, 200)
 
     def _stranger(self, ident: bytes, peer, frame) -> None:
         """A message from a peer without a completed handshake: a hello is checked (`_hello`),

@@ -15,8 +15,8 @@ import time
 
 from transfer.codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
-from transfer.importer import ImportResult
-from transfer.messages import Ack, Final, Nack
+from transfer.importer import ImportResult, fill
+from transfer.messages import Ack, Final
 from transfer.pull import land_pulled
 from transfer.wire import TOKEN
 
@@ -56,7 +56,7 @@ class PayloadMixin:
         """Commit (or fail) the next payload that finished landing on the data stream."""
         if self.streams is None:
             return None
-        self.streams.drain_wake()
+        self.streams.wake.clear()
         try:
             landing = self.streams.finished.get_nowait()
         except queue.Empty:
@@ -78,9 +78,8 @@ class PayloadMixin:
         if s is None or token != peer.token or not peer.awaits_final or peer.final is not None:
             self.metrics.add("stray_finals")
             if token > peer.token:  # its offer never arrived (lost): the sender waits on this answer
-                err = TransportClosed(f"no transfer {token} was offered on this connection")
-                self.metrics.record_error(err)
-                self._send(ident, TOKEN.pack(b"A", token), Nack("", 0, err.code, str(err)))
+                self._nack(ident, TOKEN.pack(b"A", token),
+                           TransportClosed(f"no transfer {token} was offered on this connection"))
             return None
         try:
             final = decode(unseal(body), self.config.limits, Final)
@@ -132,10 +131,7 @@ class PayloadMixin:
             buf = parts.next().buffer
             n = buf.nbytes
             if n == sum(b.nbytes for b in bufs):
-                pos = 0
-                for b in bufs:
-                    b[:] = buf[pos:pos + b.nbytes]
-                    pos += b.nbytes
+                fill(bufs, buf)
         if parts.drain():
             return self._fail(ident, peer, MalformedMessage("data message with extra parts"))
         t1 = time.perf_counter()

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from transfer.errors import MalformedMessage, TransferError
+from transfer.errors import LimitExceeded, MalformedMessage, TransferError
 
 log = logging.getLogger("transfer.refusals")
 
@@ -53,8 +53,6 @@ def as_refusal(exc: BaseException) -> TransferError:
 def too_big(nbytes: int, what: str) -> TransferError | None:
     """The refusal of an unauthenticated message of `nbytes`, or None when it is small enough."""
     if nbytes > PREAUTH_MAX_BYTES:
-        from transfer.errors import LimitExceeded
-
         return LimitExceeded(f"{what} of {nbytes} bytes before a completed handshake "
                              f"(at most {PREAUTH_MAX_BYTES})")
     return None

@@ -2,9 +2,8 @@
 
 Workers, coordinator, CLI and bench look a transport up here (`get(name)`) instead of branching
 on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), the
-engine pool options its sending side needs, what it can do (`Capabilities`), and its variants in
-`pdserve bench migrate`. A new transport is its files plus one `register(...)` line below, whose
-factories name functions in those files.
+engine pool options its sending side needs, and what it can do (`Capabilities`). A new transport
+is its files plus one `register(...)` line below, whose factories name functions in those files.
 
 Torch-free at import (the coordinator validates names with it): the factories import their
 transport when called.
@@ -46,7 +45,6 @@ class Transport:
     # EngineConfig fields a sending worker's pool needs (Ray: a /dev/shm pool that same-node peers map)
     engine_options: dict = field(default_factory=dict)
     capabilities: Capabilities = Capabilities()
-    bench_names: tuple[str, ...] = ()  # its variants in `pdserve bench migrate`
 
     def make_sender(self, fingerprint, config, **kwargs):
         return _load(self.sender)(fingerprint, config, **kwargs)
@@ -89,11 +87,9 @@ def validate(name: str) -> str:
     return name
 
 
-register(Transport("zmq", "transfer.zmq_transport:make_sender", "transfer.zmq_transport:make_receiver",
-                   bench_names=("zmq-tcp", "zmq-ipc", "zmq-frames")))
+register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver"))
 register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
                    checksum_mode="manifest", engine_options={"kv_shm": True},
-                   capabilities=Capabilities(same_node_pool=True), bench_names=("ray", "ray-store")))
+                   capabilities=Capabilities(same_node_pool=True)))
 register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
-                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True),
-                   bench_names=("nixl",)))
+                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True)))

@@ -30,7 +30,6 @@ class Limits:
     min_chunk_bytes / max_chunk_bytes: allowed chunk size (the unit of wire messages and checksums).
     max_payload_bytes: most payload bytes in one transfer.
     max_id_len: longest request id, peer name or extra key.
-    max_list_len: longest small list (stop token ids, stop strings, timings).
     """
 
     max_message_bytes: int = 32 << 20
@@ -42,7 +41,6 @@ class Limits:
     max_chunk_bytes: int = 1 << 24
     max_payload_bytes: int = 1 << 40
     max_id_len: int = 1024
-    max_list_len: int = 4096
 
 
 def require_keys(d: dict, allowed: set[str], what: str) -> None:
@@ -120,30 +118,3 @@ def pack(values, dtype: np.dtype) -> bytes:
         raise ValueError("value does not fit in uint32")
     return arr.astype(dtype, copy=False).tobytes()
 
-
-def get_int_list(d: dict, key: str, lo: int, hi: int, max_len: int, what: str, default=_MISSING) -> list[int]:
-    v = get(d, key, what, default)
-    if type(v) not in (list, tuple):
-        raise MalformedMessage(f"{what}.{key}: expected a list, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise LimitExceeded(f"{what}.{key}: {len(v)} items, at most {max_len}")
-    for x in v:
-        if type(x) is not int:
-            raise MalformedMessage(f"{what}.{key}: expected integers, got {type(x).__name__}")
-        if not lo <= x <= hi:
-            raise LimitExceeded(f"{what}.{key}: {x} outside [{lo}, {hi}]")
-    return list(v)
-
-
-def get_str_list(d: dict, key: str, max_str: int, max_len: int, what: str, default=_MISSING) -> list[str]:
-    v = get(d, key, what, default)
-    if type(v) not in (list, tuple):
-        raise MalformedMessage(f"{what}.{key}: expected a list, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise LimitExceeded(f"{what}.{key}: {len(v)} items, at most {max_len}")
-    for x in v:
-        if type(x) is not str:
-            raise MalformedMessage(f"{what}.{key}: expected strings, got {type(x).__name__}")
-        if len(x) > max_str:
-            raise LimitExceeded(f"{what}.{key}: a string of {len(x)} characters, at most {max_str}")
-    return list(v)

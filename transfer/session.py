@@ -24,7 +24,7 @@ from transfer.messages import Ack, Final, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.stream_export import StreamedExport
-from transfer.transport import RECEIVER_PHASES, TransportConfig, check_reply, make_hello, payload_estimate
+from transfer.transport import RECEIVER_PHASES, TransportConfig, check_reply, make_hello
 
 
 class SenderSession:
@@ -163,7 +163,8 @@ class SenderSession:
         reuse: list[int] = []
         c = self.config
         t = manager.table(seq_id)
-        if dedupe and payload_estimate(manager, t.num_computed) > c.inline_bytes:
+        nbytes = -(-t.num_computed // manager.block_size) * manager.storage.layout.block_bytes  # none reused
+        if dedupe and nbytes > c.inline_bytes:
             reuse = self.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
         cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=c.checksum_mode, lease_s=c.lease_s,
                            lease=lease, checksum_threads=c.copy_threads)

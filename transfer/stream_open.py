@@ -64,6 +64,6 @@ def turn_away(conn: socket.socket, answer: bytes = b"") -> None:
         conn.close()
 
 
-def expired(openings: dict, now: float | None = None) -> list[Opening]:
-    now = time.monotonic() if now is None else now
+def expired(openings: dict) -> list[Opening]:
+    now = time.monotonic()
     return [op for op in openings.values() if op.deadline <= now]

@@ -26,6 +26,7 @@ from transfer.errors import FrameCountError, FrameSizeError, TransferError, Tran
 from transfer.metrics import TransferMetrics
 from transfer.stream_open import BUSY, OPENED, Opening, accept, expired, turn_away
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_hashed
+from transfer.wakeup import Wakeup
 
 # TCP payload is received (and hashed) this many bytes at a time: smaller reads stay in cache for
 # the hash, and ran faster than whole 2 MiB chunks here; a Unix socket reads whole buffers, since
@@ -46,15 +47,10 @@ class Landing:
 
 
 class StreamListener:
-    def __init__(self, host: str, config, metrics: TransferMetrics, refusals=None):
-        from transfer.refusals import Refusals
-
-        self.config, self.metrics = config, metrics
-        self.refusals = refusals or Refusals(metrics)
+    def __init__(self, host: str, config, metrics: TransferMetrics, refusals):
+        self.config, self.metrics, self.refusals = config, metrics, refusals
         self.finished: queue.Queue[Landing] = queue.Queue()
-        self.wake_fd, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_w, False)
+        self.wake = Wakeup()  # set when a landing finished
         self._lock = threading.Condition()
         self._tokens: dict[bytes, bytes] = {}               # stream token -> control connection
         self._expected: dict[tuple[bytes, int], Landing] = {}
@@ -77,13 +73,12 @@ class StreamListener:
         self.listeners.append(s)
         return s
 
-    def listen_unix(self, path: str) -> str:
+    def listen_unix(self, path: str) -> None:
         """Also accept streams on a Unix socket (for senders that reach us over ipc://)."""
         with contextlib.suppress(OSError):
             os.unlink(path)
         self._listen(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), path)
         self.path = path
-        return path
 
     # ---- the control thread -------------------------------------------------------------------
     def issue(self, key: bytes) -> str:
@@ -140,12 +135,7 @@ class StreamListener:
         if self.path:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        os.close(self._wake_w)
-        os.close(self.wake_fd)
-
-    def drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.read(self.wake_fd, 4096)
+        self.wake.close()
 
     # ---- accept and read threads -----------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -167,24 +157,25 @@ class StreamListener:
                         continue
                     op = openings[key.fileobj]
                     done = op.read()
-                    if done is False:
-                        continue
-                    sel.unregister(op.conn)
-                    del openings[op.conn]
-                    if done is None:
-                        self.refusals.refuse("stream_open", "closed before its opening message")
-                        turn_away(op.conn)
-                    else:
-                        self._opened(op.conn, bytes(op.buf))
+                    if done is not False:
+                        sel.unregister(op.conn)
+                        del openings[op.conn]
+                        if done:
+                            self._opened(op.conn, bytes(op.buf))
+                        else:
+                            self._drop(op.conn, "closed before its opening message")
                 for op in expired(openings):
                     sel.unregister(op.conn)
                     del openings[op.conn]
-                    self.refusals.refuse("stream_open", f"no opening in {self.config.stream_open_s}s")
-                    turn_away(op.conn)
+                    self._drop(op.conn, f"no opening in {self.config.stream_open_s}s")
         finally:
             for conn in openings:
                 turn_away(conn)
             sel.close()
+
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        self.refusals.refuse("stream_open", why)
+        turn_away(conn)
 
     def _opened(self, conn: socket.socket, hello: bytes) -> None:
         """The opening message is in: a live token gets the stream a reader thread and a slot."""
@@ -258,8 +249,7 @@ class StreamListener:
             landing.done.set()
         if not cancelled:
             self.finished.put(landing)
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.write(self._wake_w, b"!")
+            self.wake.set()
         conn.settimeout(None)
         return ok and not cancelled
 

@@ -47,12 +47,6 @@ class DataStream:
             raise TransportClosed(f"cannot open the data stream: {type(e).__name__}: {e}") from None
         self.sock = s
 
-    def send(self, token: int, nbytes: int, items, answered) -> None:
-        """Write one transfer: items yield ((frame, chunk, slot, checksum), view); stop early once
-        `answered()`."""
-        if self.begin(token, nbytes) and self.send_chunks(items, answered):
-            self.end()
-
     def begin(self, token: int, nbytes: int) -> bool:
         """The transfer's header (a streamed migration then sends its chunks over time)."""
         self.open()

@@ -31,13 +31,7 @@ IOV_MAX = 512                     # buffers per sendmsg call
 def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     """Exactly n bytes, or None if the peer closed first."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
+    return bytes(buf) if recv_into_all(sock, memoryview(buf)) else None
 
 
 def recv_into_all(sock: socket.socket, view: memoryview) -> bool:

@@ -7,12 +7,15 @@ Every wait is bounded by a timeout from `TransportConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from protocol.curve import hmac_sign, hmac_verify, new_nonce, tag_matches
+from transfer.errors import Unauthenticated
 from transfer.schema import Limits
 
 
@@ -91,9 +94,6 @@ class TransportConfig:
 
 def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", pool_path: str = ""):
     """This sender's handshake, signed when the config carries the cluster secret."""
-    import dataclasses
-
-    from protocol.curve import hmac_sign, new_nonce
     from transfer.messages import Hello
 
     hello = Hello(dict(fingerprint), config.peer_name, stream=stream, pool_path=pool_path, to=config.receiver)
@@ -104,22 +104,11 @@ def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", poo
                                tag=hmac_sign(config.secret, hello.signed_fields(), issued_at, nonce))
 
 
-def hello_is_genuine(hello, config: TransportConfig, seen: dict) -> bool:
-    """True when no secret is configured, or the handshake is addressed to this receiver
-    (`config.peer_name`), fresh, never seen, and signed with the secret. Never raises."""
-    from protocol.curve import hmac_verify
-
-    if not config.secret:
-        return True
-    if hello.to != config.peer_name:  # NOTE: checked before the nonce is remembered
-        return False
-    return hmac_verify(config.secret, hello.signed_fields(), hello.issued_at, hello.nonce, hello.tag, seen)
-
-
 def authenticate_hello(body, nbytes: int, config: TransportConfig, seen: dict):
-    """The Hello in `body` once it is small enough, decodes and is genuine (`hello_is_genuine`);
-    otherwise a TransferError refusal is raised. Convention 15: before authentication every
-    exception is a refusal, and a body over the hello limit is refused unread."""
+    """The Hello in `body` once it is small enough, decodes and is genuine: when a secret is
+    configured, addressed to this receiver (`config.peer_name`), fresh, never seen, and signed with
+    the secret; otherwise a TransferError refusal is raised. Convention 15: before authentication
+    every exception is a refusal, and a body over the hello limit is refused unread."""
     from transfer.admission import refused
     from transfer.codec import decode
     from transfer.messages import Hello
@@ -130,8 +119,11 @@ def authenticate_hello(body, nbytes: int, config: TransportConfig, seen: dict):
         if err is not None:
             raise err  # NOTE: refused unread
         hello = decode(body, config.limits, Hello)
-        if not hello_is_genuine(hello, config, seen):
-            raise refused()  # NOTE: before anything about this receiver is revealed
+        # NOTE: the address is checked before the nonce is remembered; refused before anything about
+        # this receiver is revealed
+        if config.secret and (hello.to != config.peer_name or not hmac_verify(
+                config.secret, hello.signed_fields(), hello.issued_at, hello.nonce, hello.tag, seen)):
+            raise refused()
         return hello
     except Exception as e:  # noqa: BLE001 - convention 15: before authentication, a refusal
         raise as_refusal(e) from None
@@ -139,10 +131,6 @@ def authenticate_hello(body, nbytes: int, config: TransportConfig, seen: dict):
 
 def sign_reply(reply, hello, config: TransportConfig):
     """The receiver's reply, signed and bound to the hello it answers (its nonce and timestamp)."""
-    import dataclasses
-
-    from protocol.curve import hmac_sign
-
     if not config.secret:
         return reply
     return dataclasses.replace(reply, tag=hmac_sign(config.secret, reply.signed_fields(), hello.issued_at,
@@ -152,18 +140,11 @@ def sign_reply(reply, hello, config: TransportConfig):
 def check_reply(reply, hello, config: TransportConfig) -> None:
     """A sender's check of the receiver's reply to `hello` (its own): signed with the secret for
     this very hello, and from the receiver it meant to reach. Unauthenticated otherwise."""
-    from protocol.curve import tag_matches
-    from transfer.errors import Unauthenticated
-
     if config.receiver and reply.peer != config.receiver:
         raise Unauthenticated(f"handshake answered by {reply.peer[:64]!r}, not {config.receiver!r}")
     if config.secret and not tag_matches(config.secret, reply.signed_fields(), hello.issued_at, hello.nonce,
                                          reply.tag):
         raise Unauthenticated("handshake reply is not signed with the cluster secret for this hello")
-
-
-def tcp_address(host: str = "127.0.0.1", port: int = 0) -> str:
-    return f"tcp://{host}:{port}"
 
 
 def ipc_address(name: str | None = None, directory: str | None = None) -> str:
@@ -175,8 +156,3 @@ def ipc_address(name: str | None = None, directory: str | None = None) -> str:
 # the receiver's phases of one import, from its ack (milliseconds): validate + reserve, bytes landing
 # in the blocks (data stream), checksums of landed chunks, adopting the blocks
 RECEIVER_PHASES = ("prepare_ms", "land_ms", "verify_ms", "commit_ms")
-
-
-def payload_estimate(manager, num_tokens: int) -> int:
-    """Payload bytes of a sequence of `num_tokens` computed tokens with nothing reused."""
-    return -(-num_tokens // manager.block_size) * manager.storage.layout.block_bytes

@@ -22,7 +22,7 @@ import zmq
 from transfer.codec import decode, encode
 from transfer.errors import TransferError, TransferTimeout
 from transfer.messages import Nack, PoolReply
-from transfer.pull import encode_offsets
+from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
 from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
@@ -40,6 +40,12 @@ def ZmqSender(fingerprint: dict, config: TransportConfig | None = None, *, metri
     config = config or TransportConfig()
     channel = ZmqChannel(config, metrics, advert)
     return SenderSession(fingerprint, config, channel, metrics=metrics, faults=faults)
+
+
+def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
+    """The registry's factory; a sending worker whose pool lives in /dev/shm offers it to a
+    same-node receiver (`transfer.pull`), which then reads payloads from it instead of the socket."""
+    return ZmqSender(fingerprint, config, faults=faults, advert=shm_advert(pool))
 
 
 class ZmqChannel:

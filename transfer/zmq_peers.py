@@ -115,10 +115,9 @@ class IdleConnections:
         if fd >= 0:
             self.trust[fd] = _peer_of(fd)
 
-    def sweep(self, now: float) -> int:
-        """Shut down the connections past the bound; how many."""
+    def sweep(self, now: float) -> None:
+        """Shut down the connections past the bound."""
         self._events()
-        n = 0
         for fd, (t, peer) in list(self.pending.items()):
             if now - t <= self.bound_s:
                 continue
@@ -126,9 +125,7 @@ class IdleConnections:
             if self.trust.get(fd) == peer:  # handshaken before its accept event came through
                 continue
             if _shutdown(fd, peer):
-                n += 1
                 self.refusals.refuse("idle_preauth", f"no handshake after {self.bound_s}s: closed")
-        return n
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -148,34 +145,24 @@ class IdleConnections:
                 self.pending.pop(fd, None)
 
 
-def _peer_of(fd: int):
-    """The remote address of the socket on `fd` (None if it is gone), to tell a reused descriptor."""
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        return s.getpeername()
-    except OSError:
-        return None
-    finally:
-        s.close()
-
-
 def _shutdown(fd: int, peer) -> bool:
     """Shut the connection on `fd` down if it is still the one accepted (same remote address)."""
-    if peer is None:
-        return False
+    return peer is not None and _peer_of(fd, shut_if=peer) == peer
+
+
+def _peer_of(fd: int, shut_if=None):
+    """The remote address of the socket on `fd` (None if it is gone), to tell a reused descriptor;
+    the connection is shut down when that address is `shut_if`."""
     try:
         s = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return False
+        return None
     try:
-        if s.getpeername() != peer:
-            return False
-        s.shutdown(socket.SHUT_RDWR)
-        return True
+        peer = s.getpeername()
+        if shut_if is not None and peer == shut_if:
+            s.shutdown(socket.SHUT_RDWR)
+        return peer
     except OSError:
-        return False
+        return None
     finally:
         s.close()

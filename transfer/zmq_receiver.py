@@ -10,16 +10,14 @@ handshake gets nothing but its hello read, and its connection is closed after `p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
 
 import zmq
 
-from transfer.admission import OPEN
-from transfer.epochs import EpochGuard
 from transfer.importer import ImportResult
-from transfer.metrics import TransferMetrics
 from transfer.receiver import MessageReceiver
 from transfer.refusals import Refusals
 from transfer.stream_receiver import StreamListener
@@ -33,10 +31,10 @@ from transfer.zmq_peers import IdleConnections
 class ZmqReceiver(MessageReceiver):
     """Decode side: serves handshakes, dedupe queries and imports into `manager`'s pool."""
 
-    def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
-                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
-        config = config or TransportConfig()
-        super().__init__(manager, config, epochs=epochs, metrics=metrics, stage=stage, admission=admission)
+    def __init__(self, manager, config: TransportConfig | None = None, **kwargs):
+        """kwargs: MessageReceiver's (epochs, metrics, stage, admission)."""
+        super().__init__(manager, config, **kwargs)
+        config = self.config
         self.ctx = zmq.Context(io_threads=config.io_threads)
         s = self.sock = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
@@ -61,7 +59,7 @@ class ZmqReceiver(MessageReceiver):
                                           self.refusals)
             if scheme == "ipc":
                 self.streams.listen_unix(where + ".data")
-            self.poller.register(self.streams.wake_fd, zmq.POLLIN)
+            self.poller.register(self.streams.wake.fd, zmq.POLLIN)
 
     # ---- public -----------------------------------------------------------------------------
     def bind(self, address: str) -> str:
@@ -159,3 +157,17 @@ class ZmqParts:
 
     def into(self, buf) -> int:
         return self.sock.recv_into(buf)
+
+
+def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> ZmqReceiver:
+    """The registry's factory: a receiver on the first free port of [port_min, port_max] (any port when 0)."""
+    if not port_min:
+        return ZmqReceiver(manager, config, admission=admission)
+    host = config.address.rsplit(":", 1)[0]
+    for port in range(port_min, max(port_min, port_max) + 1):
+        try:
+            where = dataclasses.replace(config, address=f"{host}:{port}")
+            return ZmqReceiver(manager, where, admission=admission)
+        except zmq.ZMQError:  # taken: the next one
+            continue
+    raise RuntimeError(f"no free KV receiver port in {port_min}..{port_max}")
