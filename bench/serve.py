@@ -38,7 +38,7 @@ import numpy as np
 from bench import loadgen
 from bench.loadgen import RequestRecord, RequestSpec, Workload, make_requests, preset
 from bench.serve_client import load_in_subprocess
-from bench.serve_metrics import SLO, mean_or_none, percentiles, present, summarize, ttft_ms
+from bench.serve_metrics import SLO, mean_or_none, meets_slo, percentiles, present, summarize, ttft_ms
 from bench.serve_mixed import mixed_requests, path_counts
 from bench.serve_report import fmt, format_run
 
@@ -213,6 +213,7 @@ def bench_target(url: str, mode: str, cfg: ServeBenchConfig, log,
         before = path_counts(url)  # per request: where each prompt was prefilled (coordinator.decide)
         records, dur, pid = _load(url, specs, cfg, _progress(log, name, len(specs)))
         run = {"mode": mode, "rate": rate, "num_requests": len(specs), **summarize(records, dur, cfg.slo)}
+        run["slo_met"] = [bool(r.ok and meets_slo(r, cfg.slo)) for r in records]  # per request, in send order
         after = path_counts(url)
         run["paths"] = {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)}
         run["streamed"] = bool(streamed) if streamed is not None else run["streamed_migrations"] > 0

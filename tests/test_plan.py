@@ -211,6 +211,25 @@ def test_validate_ranking_pairs_and_errors():
     assert _err(12.5, 10.0) == pytest.approx(0.25) and _err(None, 1.0) is None and _err(1.0, 0.0) is None
 
 
+def test_validate_counts_only_the_pairs_its_measurement_separates():
+    from bench.plan.validate import _pairs, ranking_matches
+
+    # 40 requests in 4 s at each of two rates; "a" met its SLOs 38 times, "b" 20, "c" 37
+    def runs(good):
+        return [([True] * good + [False] * (40 - good), 4.0)] * 2
+
+    flags = {"a": runs(38), "b": runs(20), "c": runs(37)}
+    measured = {k: 2 * sum(f) / d for k, ((f, d), _) in flags.items()}  # 19, 10, 18.5 req/s
+    pairs = {tuple(p["pair"]): p for p in _pairs(measured, {"a": 1.0, "b": 0.5, "c": 1.2}, flags)}
+    assert pairs["a", "b"]["significant"] and pairs["b", "c"]["significant"]
+    assert not pairs["a", "c"]["significant"]  # 38 vs 37 of 40: a tie
+    lo, hi = pairs["a", "b"]["gap_ci"]
+    assert 0 < lo < pairs["a", "b"]["measured_gap"] < hi
+    assert ranking_matches(list(pairs.values()))  # a and c predicted the other way round: a tie
+    flipped = _pairs(measured, {"a": 1.0, "b": 1.1, "c": 1.2}, flags)  # b above a: separated, wrong
+    assert not ranking_matches(flipped)
+
+
 def test_serving_stretch_from_free_cores():
     fits = {"prefill_fixed_ms": 1, "prefill_ms_per_token": 0, "decode_step_fixed_ms": 1,
             "decode_ms_per_sequence": 0, "migration_fixed_ms": 0, "migration_ms_per_byte": 0}

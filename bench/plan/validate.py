@@ -7,7 +7,11 @@ model as loaded (the profile's contention unless --contention) and a what-if wit
 `contention`; the p50 errors (predicted / measured - 1) are counted against the issue's 25%. It
 also reports the unloaded TTFT bench serve measures (max_tokens=1, back to back) beside the
 model's prefill of the same prompts and its prefill plus serving path; and whether ranking the
-configurations by total goodput gives the same order measured and predicted.
+configurations by total goodput gives the same order measured and predicted. A measured order
+counts only where the measurement can tell: per pair of configurations, a bootstrap over each
+run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
+interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
+measured order.
 """
 
 from __future__ import annotations
@@ -35,16 +39,45 @@ def _ranking(totals: dict[str, float]) -> list[str]:
     return [k for k, _ in sorted(totals.items(), key=lambda kv: -round(kv[1], 1))]
 
 
-def _pairs(measured: dict[str, float], predicted: dict[str, float]) -> list[dict]:
-    """Every pair of configurations: the measured gap (share of the larger) and whether the
-    prediction orders them the same way."""
+def _pairs(measured: dict[str, float], predicted: dict[str, float], runs: dict | None = None,
+           draws: int = 2000, seed: int = 0) -> list[dict]:
+    """Every pair of configurations: the measured gap (share of the larger), whether the
+    prediction orders them the same way, and, given `runs` (config -> [(per-request SLO flags,
+    duration s)] per rate), the gap's 95% bootstrap interval and whether it excludes 0."""
     names, out = list(measured), []
+    boot = _bootstrap(runs, draws, seed) if runs else None  # config -> (draws,) summed goodput
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            gap = (measured[a] - measured[b]) / max(measured[a], measured[b], 1e-9)
+            top = max(measured[a], measured[b], 1e-9)
+            gap = (measured[a] - measured[b]) / top
             same = (measured[a] - measured[b]) * (predicted[a] - predicted[b]) > 0
-            out.append({"pair": [a, b], "measured_gap": gap, "same_order": bool(same)})
+            row = {"pair": [a, b], "measured_gap": gap, "same_order": bool(same)}
+            if boot is not None:
+                lo, hi = np.percentile((boot[a] - boot[b]) / top, [2.5, 97.5])
+                row.update(gap_ci=[float(lo), float(hi)], significant=bool(lo > 0 or hi < 0))
+            out.append(row)
     return out
+
+
+def _bootstrap(runs: dict, draws: int, seed: int) -> dict:
+    """Per config: `draws` resamples of its summed goodput (each run's requests drawn with
+    replacement, good ones over the run's duration)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, per_rate in runs.items():
+        total = np.zeros(draws)
+        for flags, duration in per_rate:
+            met = np.asarray(flags, dtype=float)  # (n,)
+            if met.size:
+                picks = rng.integers(0, met.size, size=(draws, met.size))  # (draws, n)
+                total += met[picks].sum(axis=1) / max(duration, 1e-9)
+        out[name] = total
+    return out
+
+
+def ranking_matches(pairs: list[dict]) -> bool:
+    """Every pair the measurement separates (its interval excludes 0) is predicted in that order."""
+    return all(p["same_order"] for p in pairs if p.get("significant", True))
 
 
 def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print) -> dict:
@@ -56,7 +89,7 @@ def run_validate(model: StepModel, rates, num_requests: int, slo, contention: fl
                            num_requests=num_requests, preset="mixed", overhead_requests=4, warmup_requests=2,
                            slo=slo, quick=True)
     report = run_bench(cfg, log=log)
-    rows, measured_total, predicted_total = [], {}, {}
+    rows, measured_total, predicted_total, runs = [], {}, {}, {}
     for run in report["runs"]:
         mode, rate = run["mode"], run["rate"]
         i = list(cfg.rates).index(rate)
@@ -69,17 +102,18 @@ def run_validate(model: StepModel, rates, num_requests: int, slo, contention: fl
                      "error": {k: _err(_pick(pred)[k], _pick(run)[k]) for k in ("ttft_p50", "tpot_p50")},
                      "measured_paths": run.get("paths", {}), "predicted_paths": pred["paths"]})
         measured_total[sc.label] = measured_total.get(sc.label, 0.0) + run["goodput_req_s"]
+        runs.setdefault(sc.label, []).append((run["slo_met"], run["duration"]))
         predicted_total[sc.label] = predicted_total.get(sc.label, 0.0) + pred["goodput_req_s"]
     unloaded = _unloaded(report, model, cfg)
     m_rank, p_rank = _ranking(measured_total), _ranking(predicted_total)
-    vals = list(measured_total.values())
-    tied = max(vals) - min(vals) < 0.02 * max(vals)  # NOTE: then the order is noise, not a ranking
+    pairs = _pairs(measured_total, predicted_total, runs)
+    tied = not any(p["significant"] for p in pairs)  # NOTE: then the order is noise, not a ranking
     within = {k: sum(abs(r["error"][k]) <= TARGET for r in rows if r["error"][k] is not None)
               for k in ("ttft_p50", "tpot_p50")}
     return {"rows": rows, "unloaded": unloaded, "contention": contention,
             "model_contention": model.contention, "within_25pct": {**within, "of": len(rows)},
-            "ranking": {"measured": m_rank, "predicted": p_rank, "match": m_rank == p_rank,
-                        "measured_tied": tied, "pairs": _pairs(measured_total, predicted_total),
+            "ranking": {"measured": m_rank, "predicted": p_rank, "match": ranking_matches(pairs),
+                        "same_order": m_rank == p_rank, "measured_tied": tied, "pairs": pairs,
                         "measured_goodput_sum": measured_total, "predicted_goodput_sum": predicted_total},
             "serve_config": report["config"], "slo": report["slo"]}
 
@@ -142,10 +176,14 @@ def format_validate(v: dict) -> str:
                      f"+ serving path {_f(u.get('model_ttft_p50'))} ms")
     rk = v["ranking"]
     lines.append(f"ranking by goodput: measured {rk['measured']}, predicted {rk['predicted']}: "
-                 f"{'match' if rk['match'] else 'DIFFERENT'}"
-                 + (" (measured totals within 2%: a tie, the order says nothing)"
+                 f"{'match' if rk['match'] else 'DIFFERENT'} on the pairs the measurement separates"
+                 + (" (none: every gap's interval holds 0, the order says nothing)"
                     if rk["measured_tied"] else ""))
     for pr in rk.get("pairs", []):
-        lines.append(f"  {pr['pair'][0]} vs {pr['pair'][1]}: measured gap {100 * pr['measured_gap']:+.1f}%, "
+        ci = pr.get("gap_ci")
+        sep = "" if ci is None else (f" (95% {100 * ci[0]:+.1f}..{100 * ci[1]:+.1f}%: "
+                                     f"{'separated' if pr['significant'] else 'a tie'})")
+        lines.append(f"  {pr['pair'][0]} vs {pr['pair'][1]}: measured gap "
+                     f"{100 * pr['measured_gap']:+.1f}%{sep}, "
                      f"predicted {'same order' if pr['same_order'] else 'the other order'}")
     return "\n".join(lines)
