@@ -117,7 +117,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         """Plain, msgpack-safe fields (tuples as lists)."""
-        d = asdict(self)
+        d = {name: getattr(self, name) for name in FIELD_ORDER}  # every value immutable: no deep copy
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
         return d
@@ -136,4 +136,5 @@ class SamplingParams:
             raise ValueError(f"bad sampling parameters: {e}") from None
 
 
-FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+FIELD_ORDER = tuple(f.name for f in fields(SamplingParams))  # to_dict's key order (the wire's)
+FIELD_NAMES = frozenset(FIELD_ORDER)
