@@ -87,13 +87,7 @@ def test_a_pool_changed_after_its_manifest_fails_the_checksum_and_leaves_the_poo
                                                                      checksum_threads=2))
         first = src.table("a").blocks[0]
         src.storage.block_bytes_view(first, 1)[3] ^= 1  # a byte of the first sent block, after hashing
-        sock = tx.channel.sock
-        sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
-        offsets = ShmAdvert(src.storage).offsets(ex.frames)
-        sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets(offsets)])
-        assert isinstance(served.next(), E.ChecksumError)
-        assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
-        assert snapshot(served.manager) == before
+        _pull_refused(tx, served, ex, ShmAdvert(src.storage).offsets(ex.frames), E.ChecksumError, before)
         ex.release()
     finally:
         tx.close()
@@ -133,15 +127,20 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
             assert tx.channel.pull
         before = snapshot(served.manager)
         ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="manifest"))
-        sock = tx.channel.sock
-        sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
         far = src.storage.data.numel() * src.storage.data.element_size()  # the pool's end
-        sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets([far] * len(ex.manifest.frames))])
-        err = served.next()
-        assert isinstance(err, E.MalformedMessage)
-        assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
-        assert snapshot(served.manager) == before
+        _pull_refused(tx, served, ex, [far] * len(ex.manifest.frames), E.MalformedMessage, before)
         ex.release()
     finally:
         tx.close()
         served.stop()
+
+
+def _pull_refused(tx, served, ex, offsets, error, before):
+    """Send `ex`'s manifest, then `offsets` in the sender's pool, on tx's control socket: the
+    receiver fails the transfer with `error`, nacks it and leaves its pool as `before`."""
+    sock = tx.channel.sock
+    sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
+    sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets(offsets)])
+    assert isinstance(served.next(), error)
+    assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
+    assert snapshot(served.manager) == before
