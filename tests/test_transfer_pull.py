@@ -56,7 +56,8 @@ def test_same_node_pool_is_read_in_place(plane):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_copies_land_the_same_bytes_and_report_their_checksums(threads, monkeypatch):
     from transfer import pull
-    from transfer.pull import WINDOW, ShmSource
+    from transfer.checksum import WINDOW
+    from transfer.pull import ShmSource
 
     monkeypatch.setattr(pull, "PARALLEL_MIN_BYTES", 0)  # small items, still shared by the threads
 

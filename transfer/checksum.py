@@ -1,8 +1,9 @@
 """Payload checksums: xxh3-64 over raw bytes (about 16 GB/s on one core here, against about
 2.6 GB/s for zlib's crc32). `measure_gb_per_s` reports its cost so the benchmark can show it.
 Streaming over several buffers gives the same digest as one pass over their concatenation.
-`checksum_many` hashes many chunks on several threads (xxhash releases the GIL: 2 threads hashed
-256 MiB of 2 MiB chunks at 20.7 GB/s here against 14.6 on one).
+`copy_hashed` hashes bytes as it copies them. `checksum_many` hashes many chunks on several
+threads (xxhash releases the GIL: 2 threads hashed 256 MiB of 2 MiB chunks at 20.7 GB/s here
+against 14.6 on one).
 """
 
 from __future__ import annotations
@@ -31,6 +32,28 @@ def checksum_parts(parts) -> int:
     for p in parts:
         h.update(p)
     return h.intdigest()
+
+
+def copy_hashed(bufs, src) -> int:
+    """Copy `src` (a buffer of at least their total size) into `bufs` in turn, WINDOW bytes at a
+    time, hashing each window right after it lands, while it is still in this core's cache (one
+    pass over memory instead of a copy and a hash pass); the xxh3-64 of what landed."""
+    import numpy as np
+
+    h, pos, src = hasher(), 0, np.frombuffer(src, dtype=np.uint8)
+    for b in bufs:
+        dst = np.frombuffer(b, dtype=np.uint8)  # numpy copies without the GIL
+        for at in range(0, dst.size, WINDOW):
+            win = dst[at:at + WINDOW]
+            np.copyto(win, src[pos + at:pos + at + win.size])
+            h.update(win)
+        pos += dst.size
+    return h.intdigest()
+
+
+# bytes copied before they are hashed: small enough to stay in L2 for the hash (2 threads, 256 MiB
+# from a Llama-3-8B pool here: 7.5 GB/s copied and verified, against 4.6 for a copy then a hash pass)
+WINDOW = 256 << 10
 
 
 def checksum_many(items, threads: int = 1) -> list[int]:

@@ -69,13 +69,6 @@ class ListParts:
         n, self.i = len(self.parts) - self.i, len(self.parts)
         return n
 
-    def into(self, buf) -> int:
-        """Copy the next part into `buf` (truncated to it); the part's size."""
-        part = self.next().buffer
-        n = min(part.nbytes, buf.nbytes)
-        buf[:n] = part[:n]
-        return part.nbytes
-
 
 class MessageReceiver(HandshakeMixin, PayloadMixin):
     """The protocol state of one receiver; subclasses move the messages."""

@@ -13,9 +13,10 @@ import dataclasses
 import queue
 import time
 
+from transfer.checksum import copy_hashed
 from transfer.codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
-from transfer.importer import ImportResult, fill
+from transfer.importer import ImportResult
 from transfer.messages import Ack, Final
 from transfer.pull import land_pulled
 from transfer.wire import TOKEN
@@ -125,18 +126,15 @@ class PayloadMixin:
         except TransferError as e:
             parts.drain()
             return self._fail(ident, peer, e)
-        if len(bufs) == 1:
-            n = parts.into(bufs[0])
-        else:
-            buf = parts.next().buffer
-            n = buf.nbytes
-            if n == sum(b.nbytes for b in bufs):
-                fill(bufs, buf)
+        buf = parts.next().buffer  # a view of the message (ZeroMQ's, or the object store's)
+        n, landed = buf.nbytes, None
+        if n == sum(b.nbytes for b in bufs):  # else chunk_done refuses the size, nothing copied
+            landed = copy_hashed(bufs, buf)
         if parts.drain():
             return self._fail(ident, peer, MalformedMessage("data message with extra parts"))
         t1 = time.perf_counter()
         try:
-            s.chunk_done(f, c, n, bufs, cs)
+            s.chunk_done(f, c, n, bufs, cs, landed_checksum=landed)
         except TransferError as e:
             return self._fail(ident, peer, e)
         tm = s.timings  # the same phases as the data stream's reader reports

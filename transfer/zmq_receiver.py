@@ -155,9 +155,6 @@ class ZmqParts:
             n += 1
         return n
 
-    def into(self, buf) -> int:
-        return self.sock.recv_into(buf)
-
 
 def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> ZmqReceiver:
     """The registry's factory: a receiver on the first free port of [port_min, port_max] (any port when 0)."""
