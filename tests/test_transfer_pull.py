@@ -55,11 +55,11 @@ def test_same_node_pool_is_read_in_place(plane):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_copies_land_the_same_bytes_and_report_their_checksums(threads, monkeypatch):
-    from transfer import pull
+    from transfer import checksum as C
     from transfer.checksum import WINDOW
     from transfer.pull import ShmSource
 
-    monkeypatch.setattr(pull, "PARALLEL_MIN_BYTES", 0)  # small items, still shared by the threads
+    monkeypatch.setattr(C, "PARALLEL_MIN_BYTES", 0)  # small items, still shared by the threads
 
     layout = KVLayout(block_size=16, num_layers=8, num_kv_heads=8, head_dim=64, dtype="float16")
     src = make_manager(layout, 40, shm=True)  # 128 KiB blocks

@@ -57,11 +57,16 @@ WINDOW = 256 << 10
 
 
 def checksum_many(items, threads: int = 1) -> list[int]:
-    """xxh3-64 of each item (a list of buffers, hashed as their concatenation), in order; spread
-    over `threads` threads when there is more than one item and PARALLEL_MIN_BYTES in all."""
-    if threads <= 1 or len(items) < 2 or total_bytes(items) < PARALLEL_MIN_BYTES:
-        return [checksum_parts(p) for p in items]
-    return list(worker_pool(threads).map(checksum_parts, items))
+    """xxh3-64 of each item (a list of buffers, hashed as their concatenation), in order."""
+    return spread(checksum_parts, items, threads, total_bytes(items))
+
+
+def spread(fn, items: list, threads: int, nbytes: int) -> list:
+    """[fn(item) for item in items], in order; spread over `threads` threads (`worker_pool`) when
+    there is more than one item and the items hold PARALLEL_MIN_BYTES (`nbytes`) or more."""
+    if threads <= 1 or len(items) < 2 or nbytes < PARALLEL_MIN_BYTES:
+        return [fn(item) for item in items]
+    return list(worker_pool(threads).map(fn, items))
 
 
 # below this many bytes a hand-off to the pool costs more than it saves

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvcache.manager import KVCacheManager
 from kvcache.table import BlockTable, blocks_for
-from transfer.checksum import checksum_parts
+from transfer.checksum import checksum_parts, copy_hashed
 from transfer.codec import DEFAULT_LIMITS, decode_manifest
 from transfer.epochs import EpochGuard
 from transfer.errors import (
@@ -274,16 +274,8 @@ def import_sequence(manager: KVCacheManager, manifest, frames, *, epochs: EpochG
             if view.nbytes != desc.nbytes:
                 raise FrameSizeError(f"frame {frame}: {view.nbytes} bytes, manifest says {desc.nbytes}")
             for chunk in range(desc.num_chunks(chunk_bytes)):
-                targets = session.chunk_buffers(frame, chunk)
-                n = fill(targets, view[chunk * chunk_bytes:])
-                session.chunk_done(frame, chunk, n, targets)
+                targets = session.chunk_buffers(frame, chunk)  # within the frame: its size was checked
+                landed = copy_hashed(targets, view[chunk * chunk_bytes:])
+                n = sum(t.nbytes for t in targets)
+                session.chunk_done(frame, chunk, n, targets, landed_checksum=landed)
     return session.commit()
-
-
-def fill(bufs, data) -> int:
-    """Copy the start of `data` into `bufs` in turn; the bytes copied."""
-    pos = 0
-    for b in bufs:
-        b[:] = data[pos:pos + b.nbytes]
-        pos += b.nbytes
-    return pos

@@ -22,7 +22,7 @@ import stat
 import numpy as np
 
 from kvcache.shm_pool import PREFIX, SHM_DIR
-from transfer.checksum import PARALLEL_MIN_BYTES, checksum_many, copy_hashed, total_bytes, worker_pool
+from transfer.checksum import checksum_many, copy_hashed, spread
 from transfer.errors import FrameCountError, MalformedMessage
 from transfer.messages import PoolOffer
 
@@ -128,17 +128,14 @@ class ShmSource:
     def read_many(self, items, threads: int = 1) -> list[int]:
         """Copy each (offset in the sender's pool, destination buffers) item, the items shared by
         `threads` threads; each item's xxh3-64 of the bytes that landed, in order."""
-        pairs = []
+        pairs, total = [], 0  # (destination buffers, their bytes in the pool)
         for offset, bufs in items:  # every bound checked before the first byte moves
-            if offset + sum(b.nbytes for b in bufs) > self.map.size:
+            n = sum(b.nbytes for b in bufs)
+            if offset + n > self.map.size:
                 raise MalformedMessage("a chunk lies outside the sender's pool")
-            pairs.append((offset, bufs))
-        if threads <= 1 or len(pairs) < 2 or total_bytes(bufs for _, bufs in pairs) < PARALLEL_MIN_BYTES:
-            return [self._copy_hashed(*p) for p in pairs]
-        return list(worker_pool(threads).map(lambda p: self._copy_hashed(*p), pairs))
-
-    def _copy_hashed(self, offset: int, bufs) -> int:
-        return copy_hashed(bufs, self.map[offset:offset + sum(b.nbytes for b in bufs)])
+            pairs.append((bufs, self.map[offset:offset + n]))
+            total += n
+        return spread(lambda p: copy_hashed(*p), pairs, threads, total)
 
     def close(self) -> None:
         self.map = None
