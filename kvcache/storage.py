@@ -76,7 +76,7 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def token_bytes(self) -> int:
@@ -130,6 +130,10 @@ class KVStorage:
         # 0.1 ms of a 17 ms one-sequence SmolLM2 decode step; a cached pair costs 0.07 us)
         self._layer_views = [(self._blocks[:, i, 0], self._blocks[:, i, 1]) for i in range(layout.num_layers)]
         self.null_block_id: int | None = num_blocks if null_block else None
+        # the real blocks' bytes as one flat view, made once (a transfer slices it per run of
+        # blocks: 0.3 us, where slicing the tensor and viewing it again cost about 10 us)
+        self._bytes = (memoryview(self.data.view(torch.uint8).numpy()).cast("B")
+                       if self.device.type == "cpu" else None)
 
     @property
     def num_slots(self) -> int:
@@ -196,5 +200,5 @@ class KVStorage:
             raise ValueError("byte views exist only for CPU pools; stage device blocks first")
         if count < 1 or not 0 <= block <= self.num_blocks - count:
             raise ValueError(f"blocks {block}..{block + count - 1} outside 0..{self.num_blocks - 1}")
-        chunk = self.data[block:block + count]
-        return memoryview(chunk.view(torch.uint8).numpy()).cast("B")
+        n = self.layout.block_bytes
+        return self._bytes[block * n:(block + count) * n]
