@@ -10,11 +10,15 @@ never fit an engine's pool is refused. The first token is out when the prefill e
 ran (a prefill worker streams it before the KV leaves); a migrated request's next one after the
 first decode step past its landing; every further one at the end of a decode step carrying it. A
 step that decodes also takes its worker loop's own time (the serving path's `token_ms` of the
-configuration's kind); an engine stepping while others step is stretched by the `contention`.
-Afterwards every TTFT gets the serving path of the path the request took (migrated:
-'disaggregated'; prefilled where it decodes: 'colocated'): `ttft_ms(computed tokens, prompt
-tokens, idle)` (idle: how long nothing had stepped or migrated when it arrived), times the
-model's `serving_stretch(engines busy then)`, plus `overhead_ms` (an extra, from the command line).
+configuration's kind), and a step that finishes prompts also takes each one's serving work
+(`work_ms(computed tokens, prompt tokens)` of the path the request took: migrated, i.e.
+prefilled on a prefill worker: 'disaggregated'; prefilled where it decodes: 'colocated'), so
+the requests queued behind it wait for that too; an engine stepping while others step is
+stretched by the `contention`. Afterwards every TTFT gets the serving path's cold part,
+`cold(idle)` (idle: how long nothing had stepped or migrated when it arrived), times the model's
+`serving_stretch(engines busy then)`, plus `overhead_ms` (an extra, from the command line).
+Running the serving work in series with the engine, instead of adding it to each TTFT
+afterwards, is what made the model follow the queueing measured at 10-20 req/s (docs/plan.md).
 """
 
 from __future__ import annotations
@@ -152,8 +156,11 @@ class Simulation:
                 continue
             others = sum(x.busy for x in self.engines if x is not e)
             loop = self._loop_ms if plan.decode else 0.0
+            path = self.model.serving("disaggregated" if e.role == "prefill" else "colocated")
+            work = sum(path.work_ms(j.req.prompt_tokens - j.cached_tokens, j.req.prompt_tokens)
+                       for j, take in plan.chunks if take >= j.remaining)  # prompts this step finishes
             ms = self.model.step_ms(len(plan.decode), sum(j.context for j in plan.decode),
-                                    sum(t for _, t in plan.chunks), others, loop)
+                                    sum(t for _, t in plan.chunks), others, loop + work)
             e.busy = True
             self._push(self.now + ms, "step", (e, plan))
 
@@ -231,8 +238,7 @@ class Simulation:
         for o in self.out.values():
             if o.first_s is not None:  # the whole stream starts later
                 path = self.model.serving("disaggregated" if o.path == "disaggregate" else "colocated")
-                ms = path.ttft_ms(o.computed_tokens, o.req.prompt_tokens, o.idle_ms) \
-                    * self.model.serving_stretch(o.busy_engines)
+                ms = path.cold(o.idle_ms) * self.model.serving_stretch(o.busy_engines)
                 shift = (self.c.overhead_ms + ms) / 1e3
                 o.first_s += shift
                 o.end_s = None if o.end_s is None else o.end_s + shift

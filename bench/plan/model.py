@@ -11,8 +11,9 @@ cores enough for one); a profile that measured it (`fits.contention`: two engine
 against one) supplies the default. The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
 detokenizing, SSE, the client) adds what the profile's serving part measured per configuration
 kind ('colocated', 'disaggregated'): a bench.plan.serving.ServingPath each (`serving(kind)`; all 0
-for a profile taken with --no-serving), its TTFT part stretched by `serving_stretch` when engines
-are busy (the free cores the contention implies, `cores` from the profile's machine).
+for a profile taken with --no-serving; bench.plan.des runs its per-request work in series with the
+engine), its cold part stretched by `serving_stretch` when engines are busy (the free cores the
+contention implies, `cores` from the profile's machine).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class StepModel:
         return min(float(self.cores), 2.0 / (1.0 + self.contention))
 
     def serving_stretch(self, busy_engines: int) -> float:
-        """How much slower the serving path's CPU work runs with `busy_engines` engines stepping than
-        with none (what the profile measured): its process shares the free cores with them."""
+        """How much slower the serving path's cold part runs with `busy_engines` engines stepping
+        than with none (what the profile measured): its process shares the free cores with them."""
         if self.cores <= 0:
             return 1.0
         free = self.free_cores()

@@ -1,18 +1,21 @@
 """The serving path's cost, per configuration kind ('colocated', 'disaggregated'): what a request
 pays outside the engine model (HTTP, the coordinator, ZeroMQ to the worker and back, the per-step
 report, detokenizing, SSE, the client) and what the profile's in-process engine does not show of a
-worker's engine. The discrete-event simulation adds, to every TTFT, `request_ms +
-request_ms_per_token * computed_tokens + request_ms_per_prompt_token * prompt_tokens + cold_ms *
-(1 - exp(-idle_ms / cold_tau_ms))` (computed_tokens: the prompt tokens its prefill computed, cached
-ones excluded; idle_ms: how long the cluster had been idle when it arrived, 0 if anything was
-busy), and `token_ms` to every step a worker loop takes that decodes (its reports, stats and KV
-polls: at batch 1 one iteration is one token). `request_ms_per_prompt_token` is what the prompt's
-length costs whether or not its tokens are computed (shipping and hashing the ids, attention over
-the cached part); `cold_ms` is the wake-up cost of an idle cluster (a request sent >= ~0.2 s after
-the previous answer pays it whole; one sent back to back pays none). bench.profile_serving
-measures the terms (`fits.serving.<kind>` in the profile JSON) and `fit_ttft` fits them; a
-profile with only the older constants (`fits.request_overhead_ms.<kind>`,
-`fits.token_overhead_ms.<kind>`) still loads.
+worker's engine. Per request it is `work_ms` = `request_ms + request_ms_per_token *
+computed_tokens + request_ms_per_prompt_token * prompt_tokens` (computed_tokens: the prompt
+tokens its prefill computed, cached ones excluded) plus `cold_ms * (1 - exp(-idle_ms /
+cold_tau_ms))` (idle_ms: how long the cluster had been idle when it arrived, 0 if anything was
+busy); `ttft_ms` is their sum. The discrete-event simulation runs `work_ms` in series with the
+engine that prefills the request (its step that finishes the prompt lasts that much longer, so
+the requests queued behind it wait for it, as they do in a worker on these cores) and adds only
+the cold part afterwards; and it adds `token_ms` to every step a worker loop takes that decodes
+(its reports, stats and KV polls: at batch 1 one iteration is one token).
+`request_ms_per_prompt_token` is what the prompt's length costs whether or not its tokens are
+computed (shipping and hashing the ids, attention over the cached part); `cold_ms` is the wake-up
+cost of an idle cluster (a request sent >= ~0.2 s after the previous answer pays it whole; one
+sent back to back pays none). bench.profile_serving measures the terms (`fits.serving.<kind>` in
+the profile JSON) and `fit_ttft` fits them; a profile with only the older constants
+(`fits.request_overhead_ms.<kind>`, `fits.token_overhead_ms.<kind>`) still loads.
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ class ServingPath:
             return self.cold_ms
         return self.cold_ms * (1.0 - math.exp(-idle_ms / self.cold_tau_ms))
 
-    def ttft_ms(self, computed_tokens: int, prompt_tokens: int, idle_ms: float) -> float:
+    def work_ms(self, computed_tokens: int, prompt_tokens: int) -> float:
+        """The per-request part, without the cold part (see the module doc)."""
         return (self.request_ms + self.request_ms_per_token * computed_tokens
-                + self.request_ms_per_prompt_token * prompt_tokens + self.cold(idle_ms))
+                + self.request_ms_per_prompt_token * prompt_tokens)
+
+    def ttft_ms(self, computed_tokens: int, prompt_tokens: int, idle_ms: float) -> float:
+        return self.work_ms(computed_tokens, prompt_tokens) + self.cold(idle_ms)
 
     def describe(self) -> str:
         return (f"+{self.request_ms:.1f} ms + {self.request_ms_per_token * 1e3:.1f} ms/1k computed + "
