@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot predicted goodput against rate")
     p.add_argument("--validate", action="store_true", help="also run bench serve here and compare (minutes)")
     p.add_argument("--validate-requests", type=int, default=40, help="requests per measured rate (40)")
+    p.add_argument("--resimulate", metavar="FILE", action="append", default=[],
+                   help="a saved `plan --validate --json` file: predict its measured cells again with this "
+                        "profile's model, no serving (repeatable)")
 
 
 def _workload(args):
@@ -109,6 +112,14 @@ def run(args) -> int:
         print("\nvalidation (bench serve here, beside the model), ms and req/s")
         print(format_validate(v))
         out["validate"] = v
+    for saved in args.resimulate:
+        from bench.plan.validate import format_validate, resimulate
+
+        with open(saved) as f:
+            v = resimulate(model, json.load(f)["validate"], model.contention or 1.0)
+        print(f"\nre-simulated {saved} (measured then, predicted now), ms and req/s")
+        print(format_validate(v))
+        out.setdefault("resimulated", {})[saved] = v
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

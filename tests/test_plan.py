@@ -240,3 +240,34 @@ def test_serving_stretch_from_free_cores():
     busy = replace(quiet, contention=1.0)  # two engines ran twice as slow as one: one core was free
     assert busy.free_cores() == 1 and [busy.serving_stretch(k) for k in (0, 1, 2)] == [1, 2, 3]
     assert from_profile({"fits": fits}).serving_stretch(5) == 1.0  # cores unknown: no stretch
+
+
+def test_resimulate_predicts_a_saved_validation_again():
+    # a saved `plan --validate` (two cells; one kept its per-request SLO flags, one predates them):
+    # the measured cells stay as they were, the predictions are the new model's on the very
+    # requests bench serve sent for that seed
+    from bench.plan.metrics import summarize
+    from bench.plan.validate import SETUPS, _serve_config, resimulate
+    from bench.plan.workload import from_specs
+    from bench.serve import _requests
+
+    m = synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.02, decode_fixed_ms=1.0, decode_ms_per_seq=0.1)
+    cell = {"ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": 2.0, "tpot_p99": 3.0, "goodput": 1.5}
+    saved = {"serve_config": {"rates": [2.0], "num_requests": 12}, "slo": {"ttft_ms": 50.0, "tpot_ms": 5.0},
+             "rows": [{"mode": "colocated", "rate": 2.0, "measured": cell, "slo_met": [True] * 12,
+                       "duration": 6.0},
+                      {"mode": "disaggregated", "rate": 2.0, "measured": {**cell, "goodput": 1.0}}],
+             "unloaded": {"colocated": {"measured_ttft_p50": 10.0}}}
+    v = resimulate(m, saved, contention=0.5)
+    cfg = _serve_config([2.0], 12, SLO(ttft_ms=50.0, tpot_ms=5.0))
+    reqs = from_specs(_requests(cfg, 2.0, 12, cfg.seed + 1))
+    for row in v["rows"]:
+        sim = replace(SETUPS[row["mode"]], step_budget=cfg.step_budget, block_size=cfg.block_size,
+                      num_blocks=cfg.num_blocks)
+        direct = summarize(simulate(reqs, m, sim), cfg.slo)
+        assert row["predicted"]["ttft_p50"] == pytest.approx(direct["ttft_ms"]["p50"])
+        assert row["error"]["ttft_p50"] == pytest.approx(direct["ttft_ms"]["p50"] / 20.0 - 1)
+    assert [r["measured"]["goodput"] for r in v["rows"]] == [1.5, 1.0]
+    assert v["unloaded"]["colocated"]["measured_ttft_p50"] == 10.0
+    assert v["ranking"]["measured"] == ["colocated 2", "1P+1D"]
+    assert "gap_ci" not in v["ranking"]["pairs"][0]  # one cell without flags: no bootstrap

@@ -11,7 +11,9 @@ configurations by total goodput gives the same order measured and predicted. A m
 counts only where the measurement can tell: per pair of configurations, a bootstrap over each
 run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
 interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
-measured order.
+measured order. `resimulate` predicts a saved validation again with another model (the same
+requests, the measured cells as they were): how a change to the model is checked against past
+measurements in seconds (`pdserve plan --profile P.json --resimulate PLAN.json`).
 """
 
 from __future__ import annotations
@@ -80,42 +82,76 @@ def ranking_matches(pairs: list[dict]) -> bool:
     return all(p["same_order"] for p in pairs if p.get("significant", True))
 
 
+def _serve_config(rates, num_requests: int, slo):
+    from bench.serve import ServeBenchConfig
+
+    return ServeBenchConfig(modes=tuple(SETUPS), streamed=(True,), rates=tuple(rates),
+                            num_requests=num_requests, preset="mixed", overhead_requests=4, warmup_requests=2,
+                            slo=slo, quick=True)
+
+
 def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print) -> dict:
-    from bench.serve import ServeBenchConfig, _requests, run_bench
+    from bench.serve import run_bench
+
+    cfg = _serve_config(rates, num_requests, slo)
+    report = run_bench(cfg, log=log)
+    measured = [{"mode": r["mode"], "rate": r["rate"], "measured": _pick(r), "slo_met": r["slo_met"],
+                 "duration": r["duration"], "measured_paths": r.get("paths", {})} for r in report["runs"]]
+    unloaded = {name: {"measured_ttft_p50": o["prefill_only"]["ttft_ms"]["p50"]}
+                for name, o in report["overhead"].items() if o}
+    return {**compare(model, cfg, measured, unloaded, contention), "serve_config": report["config"],
+            "slo": report["slo"]}
+
+
+def resimulate(model: StepModel, saved: dict, contention: float) -> dict:
+    """A saved validation (`plan --validate --json`'s "validate") predicted again by `model`: the
+    same requests (rebuilt from the serve config's seed), the measured cells as they were. Rows
+    saved before they kept their per-request SLO flags rank without the bootstrap."""
+    from bench.serve_metrics import SLO
+
+    sc = saved["serve_config"]
+    slo = SLO(**{k: v for k, v in saved["slo"].items() if k in SLO.__dataclass_fields__})
+    cfg = _serve_config(sc["rates"], sc["num_requests"], slo)
+    measured = [{k: r.get(k) for k in ("mode", "rate", "measured", "slo_met", "duration", "measured_paths")}
+                for r in saved["rows"]]
+    unloaded = {n: {"measured_ttft_p50": u["measured_ttft_p50"]} for n, u in saved["unloaded"].items()}
+    return {**compare(model, cfg, measured, unloaded, contention), "serve_config": sc, "slo": saved["slo"]}
+
+
+def compare(model: StepModel, cfg, measured: list[dict], unloaded: dict, contention: float) -> dict:
+    """The model (and its what-if `contention`) on the very requests each measured cell served."""
+    from bench.serve import _requests
     from coordinator.config import ClusterConfig
 
     local_max = ClusterConfig.__dataclass_fields__["local_prefill_max_tokens"].default
-    cfg = ServeBenchConfig(modes=tuple(SETUPS), streamed=(True,), rates=tuple(rates),
-                           num_requests=num_requests, preset="mixed", overhead_requests=4, warmup_requests=2,
-                           slo=slo, quick=True)
-    report = run_bench(cfg, log=log)
     rows, measured_total, predicted_total, runs = [], {}, {}, {}
-    for run in report["runs"]:
+    for run in measured:
         mode, rate = run["mode"], run["rate"]
         i = list(cfg.rates).index(rate)
         reqs = from_specs(_requests(cfg, rate, cfg.num_requests, cfg.seed + 1 + i))
         sc = _sim_config(mode, cfg, local_max)
-        pred = summarize(simulate(reqs, model, sc), slo)
-        shared = summarize(simulate(reqs, replace(model, contention=contention), sc), slo)
-        rows.append({"config": sc.label, "mode": mode, "rate": rate, "measured": _pick(run),
+        pred = summarize(simulate(reqs, model, sc), cfg.slo)
+        shared = summarize(simulate(reqs, replace(model, contention=contention), sc), cfg.slo)
+        m = run["measured"]
+        rows.append({"config": sc.label, "mode": mode, "rate": rate, "measured": m,
                      "predicted": _pick(pred), "predicted_contention": _pick(shared),
-                     "error": {k: _err(_pick(pred)[k], _pick(run)[k]) for k in ("ttft_p50", "tpot_p50")},
-                     "measured_paths": run.get("paths", {}), "predicted_paths": pred["paths"]})
-        measured_total[sc.label] = measured_total.get(sc.label, 0.0) + run["goodput_req_s"]
-        runs.setdefault(sc.label, []).append((run["slo_met"], run["duration"]))
+                     "error": {k: _err(_pick(pred)[k], m[k]) for k in ("ttft_p50", "tpot_p50")},
+                     "measured_paths": run.get("measured_paths") or {}, "predicted_paths": pred["paths"],
+                     "slo_met": run.get("slo_met"), "duration": run.get("duration")})
+        measured_total[sc.label] = measured_total.get(sc.label, 0.0) + m["goodput"]
+        if run.get("slo_met") is not None:
+            runs.setdefault(sc.label, []).append((run["slo_met"], run["duration"]))
         predicted_total[sc.label] = predicted_total.get(sc.label, 0.0) + pred["goodput_req_s"]
-    unloaded = _unloaded(report, model, cfg)
     m_rank, p_rank = _ranking(measured_total), _ranking(predicted_total)
-    pairs = _pairs(measured_total, predicted_total, runs)
-    tied = not any(p["significant"] for p in pairs)  # NOTE: then the order is noise, not a ranking
+    pairs = _pairs(measured_total, predicted_total, runs if len(runs) == len(measured_total) else None)
+    tied = not any(p.get("significant", True) for p in pairs)  # NOTE: then the order is noise, not a ranking
     within = {k: sum(abs(r["error"][k]) <= TARGET for r in rows if r["error"][k] is not None)
               for k in ("ttft_p50", "tpot_p50")}
-    return {"rows": rows, "unloaded": unloaded, "contention": contention,
+    return {"rows": rows, "unloaded": _unloaded(unloaded, model, cfg), "contention": contention,
             "model_contention": model.contention, "within_25pct": {**within, "of": len(rows)},
             "ranking": {"measured": m_rank, "predicted": p_rank, "match": ranking_matches(pairs),
                         "same_order": m_rank == p_rank, "measured_tied": tied, "pairs": pairs,
-                        "measured_goodput_sum": measured_total, "predicted_goodput_sum": predicted_total},
-            "serve_config": report["config"], "slo": report["slo"]}
+                        "measured_goodput_sum": measured_total, "predicted_goodput_sum": predicted_total}}
 
 
 def _err(pred, meas) -> float | None:
@@ -127,20 +163,16 @@ def _pick(s: dict) -> dict:
             "tpot_p99": s["tpot_ms"]["p99"], "goodput": s["goodput_req_s"]}
 
 
-def _unloaded(report: dict, model: StepModel, cfg) -> dict:
+def _unloaded(measured: dict, model: StepModel, cfg) -> dict:
     """Per setup: measured TTFT p50 of max_tokens=1 requests one at a time vs the model's prefill."""
     from bench.serve import _requests
 
     reqs = from_specs(_requests(cfg, 1.0, cfg.overhead_requests, cfg.seed + 1000))  # measure_overhead's
     pred = [model.prefill_ms(r.prompt_tokens) for r in reqs]
     warm = [p + model.colocated.ttft_ms(r.prompt_tokens, r.prompt_tokens, 0.0) for p, r in zip(pred, reqs)]
-    out = {}
-    for name, o in report["overhead"].items():
-        if o:  # NOTE: max_tokens=1 never migrates: the colocated serving path, back to back (warm)
-            out[name] = {"measured_ttft_p50": o["prefill_only"]["ttft_ms"]["p50"],
-                         "model_prefill_p50": float(np.median(pred)),
-                         "model_ttft_p50": float(np.median(warm))}
-    return out
+    # NOTE: max_tokens=1 never migrates: the colocated serving path, back to back (warm)
+    return {name: {"measured_ttft_p50": u["measured_ttft_p50"], "model_prefill_p50": float(np.median(pred)),
+                   "model_ttft_p50": float(np.median(warm))} for name, u in measured.items()}
 
 
 def _f(x) -> str:
