@@ -175,6 +175,10 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                          "(--transports zmq-tcp,zmq-ipc)")
     from bench.machine import describe, summary
 
+    threads = torch.get_num_threads()
+    # one torch thread, as every worker (runtime.actor) and the peer: an idle OpenMP pool's threads
+    # spin after each op and take the core ZeroMQ's I/O thread needs (64 KiB p50 2.2-2.4 -> 1.4-1.7 ms)
+    torch.set_num_threads(1)
     where = describe()  # convention 16: where it ran, bandwidth measured before any point
     log(summary(where))
     gen = torch.Generator().manual_seed(1234)
@@ -207,6 +211,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                 results += _run_layout(cfg, peer, shape_name, (L, H, D, B, dtype), gen, progress, store, base,
                                        timeline, origin)
     finally:
+        torch.set_num_threads(threads)
         if base is not None:
             base.close()
         if peer is not None:

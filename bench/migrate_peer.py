@@ -187,6 +187,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--control", required=True)
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # as every worker (runtime.actor); see bench.migrate.run_bench
     ctx = zmq.Context()
     ctl = ctx.socket(zmq.REP)
     ctl.setsockopt(zmq.LINGER, 0)

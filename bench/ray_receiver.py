@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from bench.pools import kv_digest, make_manager, scrub_blocks
 from kvcache.storage import KVLayout
 from transfer.errors import TransferError
@@ -33,7 +35,8 @@ class PoolReceiver(RayReceiverEndpoint):
     def __init__(self, layout_args: tuple, num_blocks: int, config: TransportConfig | None = None,
                  prefault: bool = False):
         # NOTE: the same settings as bench.migrate_peer's pool (prefix caching on; the benchmark
-        # passes prefault=True, as the peer always does).
+        # passes prefault=True, as the peer always does) and process (one torch thread).
+        torch.set_num_threads(1)
         manager = make_manager(KVLayout(*layout_args), num_blocks, prefix_caching=True, prefault=prefault)
         super().__init__(manager, config, metrics=TransferMetrics())
         self.last_timings: dict = {}

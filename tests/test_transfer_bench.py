@@ -103,3 +103,17 @@ def test_device_pools_refuse_the_ray_transports_and_only_device_runs_list_pinned
     entry = summarize({"results": [row], "baselines": device})["largest"][0]
     assert entry["vs_pinned_d2h"] == pytest.approx(0.04) and entry["vs_raw_tcp"] == pytest.approx(0.5)
     assert "0.04x pinned_d2h" in format_summary(summarize({"results": [row], "baselines": device}))
+
+
+def test_small_move_splits_the_critical_path(tmp_path):
+    # bench.small_move: a real receiving process; every move is 3 messages and one ack, and the
+    # segments of the path lie inside the whole move
+    from bench import small_move
+
+    assert small_move.main(["--tokens", "64", "--repeats", "20", "--json", str(tmp_path / "s.json")]) == 0
+    r = json.loads((tmp_path / "s.json").read_text())
+    two, one = r["two_processes_ms_p50"], r["in_process_us_p50"]
+    assert r["payload_bytes"] == 64 * 2 * 2 * 2 * 16 * 2 and r["machine"]["cpu"]  # tiny: L2, K+V, H2, D16, fp16
+    assert 0 < two["export"] < two["total"] and 0 < two["ack sent -> sender has it"] < two["total"]
+    assert 0 < two["manifest sent -> handled"] < two["total"]
+    assert all(v > 0 for v in one.values()) and set(one) >= {"export", "commit", "land + verify"}
