@@ -3,8 +3,15 @@
 buffer in a spawned process, when the optional `nixl` package is importable; otherwise it reports
 `{"gb_per_s": None, "note": "nixl not installed"}`. It is optional (not in the project's
 requirements); on a CPU-only machine `pip install --no-deps nixl nixl-cu12` installs it and UCX
-runs over host memory. Timed per WRITE from `transfer` to DONE (handles are prepared untimed, as
-nixl users do); any failure is reported as a note, never raised. Re-exported by bench.baselines.
+runs over host memory. `NixlBaseline` starts the target process and both agents once and
+measures any number of payload sizes with them (a fresh registered buffer on each side per size):
+creating a UCX agent costs about a second here, and the benchmark measures every size. The agents
+are made as the nixl channel makes them (`transfer.nixl_api._new_agent`): NIXL's own progress
+thread spins a core per agent, which kept alive through the benchmark starved everything else. Timed per
+WRITE from `transfer` to DONE (handles are prepared untimed, as nixl users do); after the repeats
+the target's buffer is checked against the payload (xxh3), untimed. The two processes speak msgpack
+maps over a pipe (`send_bytes`: nothing pickled). Any failure is reported as a note, never raised.
+`nixl(nbytes, repeats)` is one size with a baseline of its own. Re-exported by bench.baselines.
 """
 
 from __future__ import annotations
@@ -13,91 +20,145 @@ import multiprocessing as mp
 import statistics
 import time
 
+import msgpack
 import torch
 import xxhash
 
+from transfer.nixl_api import _new_agent
+
 NIXL_INITIATOR, NIXL_TARGET = "pdserve-bench-initiator", "pdserve-bench-target"
+WAIT_S = 120  # bound on every answer of the target process
 
 
-def _nixl_target(conn, nbytes: int) -> None:
-    """The target process of the nixl baseline: registers a buffer, publishes its agent metadata
-    and descriptors, then serves "digest" requests until told to stop (None)."""
+def _send(conn, **msg) -> None:
+    conn.send_bytes(msgpack.packb(msg, use_bin_type=True))
+
+
+def _recv(conn, what: str) -> dict:
+    if not conn.poll(WAIT_S):
+        raise RuntimeError(f"nixl target process: no {what} within {WAIT_S} s")
+    msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+    if msg.get("kind") == "error":
+        raise RuntimeError(f"nixl target: {msg['error']}")
+    if msg.get("kind") != what:
+        raise RuntimeError(f"nixl target answered {msg.get('kind')!r}, expected {what!r}")
+    return msg
+
+
+def _nixl_target(conn) -> None:
+    """The target process: serves "buffer" (register a fresh zeroed buffer of `nbytes`, load the
+    initiator's metadata, answer its own metadata and the buffer's descriptors: UCX carries a
+    registration's keys in the metadata, so both sides exchange it again per buffer), "digest" (of
+    the current buffer) and "stop" requests until the pipe closes or stays silent 300 s."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import _api
 
-        agent = nixl_agent(NIXL_TARGET, nixl_agent_config(backends=["UCX"]))
-        dst = torch.zeros(nbytes, dtype=torch.uint8)
-        agent.register_memory(dst)
-        conn.send(("ready", agent.get_agent_metadata(),
-                   agent.get_serialized_descs(agent.get_xfer_descs(dst))))
-        agent.add_remote_agent(conn.recv())  # the initiator's metadata (for its notifications)
-        while True:
-            if not conn.poll(300):
+        agent = _new_agent(_api, NIXL_TARGET)
+        _send(conn, kind="ready")
+        dst, reg, peer = None, None, None
+        while conn.poll(300):
+            msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            if msg.get("op") == "buffer":
+                if reg is not None:
+                    agent.deregister_memory(reg)
+                if peer is not None:
+                    agent.remove_remote_agent(peer)
+                dst = torch.zeros(int(msg["nbytes"]), dtype=torch.uint8)
+                reg = agent.register_memory(dst)
+                peer = agent.add_remote_agent(msg["meta"])  # for the initiator's notifications
+                _send(conn, kind="buffer", meta=agent.get_agent_metadata(),
+                      descs=agent.get_serialized_descs(agent.get_xfer_descs(dst)))
+            elif msg.get("op") == "digest":
+                _send(conn, kind="digest", value=xxhash.xxh3_64_intdigest(dst.numpy()))
+            else:
                 return
-            msg = conn.recv()
-            if msg is None:
-                return
-            conn.send(("digest", xxhash.xxh3_64_intdigest(dst.numpy())))
     except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        _send(conn, kind="error", error=f"{type(e).__name__}: {e}"[:300])
+
+
+class NixlBaseline:
+    """One target process and one initiator agent, made at the first `measure`, kept until `close`."""
+
+    def __init__(self) -> None:
+        self.conn = self.proc = self.agent = self.remote_name = None
+        self.failed: str | None = None  # why the first size failed (every later size reports it)
+
+    def _start(self) -> None:
+        from nixl import _api
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_nixl_target, args=(child,), daemon=True)
+        self.proc.start()
+        self.agent = _new_agent(_api, NIXL_INITIATOR)
+        _recv(self.conn, "ready")
+
+    def measure(self, nbytes: int, repeats: int = 5) -> dict:
+        """{"gb_per_s", "verified", "note"} or {"gb_per_s": None, "note": why}; never raises."""
+        try:
+            import nixl  # noqa: F401
+        except ImportError:
+            return {"gb_per_s": None, "note": "nixl not installed"}
+        if self.failed:
+            return {"gb_per_s": None, "note": self.failed}
+        reg = None
+        try:
+            if self.agent is None:
+                self._start()
+            agent = self.agent
+            src = torch.randint(1, 256, (nbytes,), dtype=torch.uint8)
+            reg = agent.register_memory(src)
+            _send(self.conn, op="buffer", nbytes=nbytes, meta=agent.get_agent_metadata())
+            answer = _recv(self.conn, "buffer")
+            if self.remote_name is not None:
+                agent.remove_remote_agent(self.remote_name)
+            self.remote_name = agent.add_remote_agent(answer["meta"])
+            remote = agent.deserialize_descs(answer["descs"])
+            local = agent.get_xfer_descs(src)
+            times = []
+            for i in range(1 + repeats):  # the first is an untimed warm-up (connection setup)
+                handle = agent.initialize_xfer("WRITE", local, remote, self.remote_name, f"x{i}".encode())
+                t0 = time.perf_counter()
+                state = agent.transfer(handle)
+                deadline = time.monotonic() + 60
+                while state != "DONE":
+                    if state == "ERR" or time.monotonic() > deadline:
+                        raise RuntimeError(f"nixl transfer state {state}")
+                    state = agent.check_xfer_state(handle)
+                if i > 0:
+                    times.append(time.perf_counter() - t0)
+                agent.release_xfer_handle(handle)
+            _send(self.conn, op="digest")
+            if _recv(self.conn, "digest")["value"] != xxhash.xxh3_64_intdigest(src.numpy()):
+                raise RuntimeError("nixl transfer did not deliver the bytes")
+            return {"gb_per_s": nbytes / statistics.median(times) / 1e9, "verified": True,
+                    "note": "UCX, initiator and target agents in two processes"}
+        except Exception as e:  # an optional peer library: report, do not fail the benchmark
+            note = f"nixl failed: {type(e).__name__}: {e}"[:300]
+            if self.remote_name is None:  # it never worked: every later size says why
+                self.failed = note
+            return {"gb_per_s": None, "note": note}
+        finally:
+            if reg is not None:
+                self.agent.deregister_memory(reg)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                _send(self.conn, op="stop")
+            except OSError:
+                pass
+        if self.proc is not None:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.terminate()
+        self.conn = self.proc = self.agent = None
 
 
 def nixl(nbytes: int, repeats: int = 5) -> dict:
-    """{"gb_per_s": float, "verified": bool, "note"} or {"gb_per_s": None, "note": why}; never
-    raises. Two processes: this one initiates WRITEs into a spawned target's registered buffer."""
+    """One payload size on a baseline of its own (see NixlBaseline.measure)."""
+    b = NixlBaseline()
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        return {"gb_per_s": None, "note": "nixl not installed"}
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_nixl_target, args=(child, nbytes), daemon=True)
-    try:
-        proc.start()
-        agent = nixl_agent(NIXL_INITIATOR, nixl_agent_config(backends=["UCX"]))
-        src = torch.randint(1, 256, (nbytes,), dtype=torch.uint8)
-        agent.register_memory(src)
-        if not conn.poll(120):
-            raise RuntimeError("nixl target process did not start")
-        kind, *rest = conn.recv()
-        if kind != "ready":
-            raise RuntimeError(f"nixl target: {rest[0]}")
-        remote_meta, remote_descs = rest
-        conn.send(agent.get_agent_metadata())
-        remote_name = agent.add_remote_agent(remote_meta)
-        remote = agent.deserialize_descs(remote_descs)
-        local = agent.get_xfer_descs(src)
-        times = []
-        for i in range(1 + repeats):  # the first is an untimed warm-up (connection setup)
-            handle = agent.initialize_xfer("WRITE", local, remote, remote_name, f"x{i}".encode())
-            t0 = time.perf_counter()
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + 60
-            while state != "DONE":
-                if state == "ERR" or time.monotonic() > deadline:
-                    raise RuntimeError(f"nixl transfer state {state}")
-                state = agent.check_xfer_state(handle)
-            if i > 0:
-                times.append(time.perf_counter() - t0)
-            agent.release_xfer_handle(handle)
-        conn.send("digest")
-        if not conn.poll(120):
-            raise RuntimeError("nixl target did not answer")
-        kind, value = conn.recv()
-        if kind != "digest":
-            raise RuntimeError(f"nixl target: {value}")
-        verified = value == xxhash.xxh3_64_intdigest(src.numpy())
-        if not verified:
-            raise RuntimeError("nixl transfer did not deliver the bytes")
-        return {"gb_per_s": nbytes / statistics.median(times) / 1e9, "verified": True,
-                "note": "UCX, initiator and target agents in two processes"}
-    except Exception as e:  # an optional peer library: report, do not fail the benchmark
-        return {"gb_per_s": None, "note": f"nixl failed: {type(e).__name__}: {e}"[:300]}
+        return b.measure(nbytes, repeats)
     finally:
-        try:
-            conn.send(None)
-        except OSError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
+        b.close()
