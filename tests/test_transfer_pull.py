@@ -145,3 +145,42 @@ def _pull_refused(tx, served, ex, offsets, error, before):
     assert isinstance(served.next(), error)
     assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
     assert snapshot(served.manager) == before
+
+
+def test_a_source_that_does_not_hash_is_read_in_groups_each_hashed_while_the_next_lands():
+    # transfer.pull._landed with a source that only moves bytes (as a NIXL agent's READ does):
+    # above PARALLEL_MIN_BYTES it reads READ_GROUPS groups, and every digest is of what landed
+    import numpy as np
+
+    from transfer import pull
+    from transfer.checksum import checksum_parts
+
+    rng = np.random.default_rng(0)
+    remote = rng.integers(0, 256, size=8 << 20, dtype=np.uint8)  # the sender's pool
+    local = np.zeros_like(remote)
+
+    class CopySource:
+        hashes = False
+
+        def __init__(self):
+            self.calls = []
+
+        def read_many(self, items, threads=1):
+            self.calls.append(len(items))
+            for offset, bufs in items:
+                for b in bufs:
+                    n = memoryview(b).nbytes
+                    np.frombuffer(b, dtype=np.uint8)[:] = remote[offset:offset + n]
+                    offset += n
+            return [None] * len(items)
+
+    chunk = 1 << 20
+    items = [(i * chunk, [memoryview(local[i * chunk:i * chunk + chunk // 2]),
+                          memoryview(local[i * chunk + chunk // 2:(i + 1) * chunk])]) for i in range(8)]
+    src = CopySource()
+    digests = pull._landed(src, items, threads=2)
+    assert src.calls == [2] * pull.READ_GROUPS and np.array_equal(local, remote)
+    assert digests == [checksum_parts(bufs) for _, bufs in items]
+    assert digests[3] == checksum_parts([memoryview(remote[3 * chunk:4 * chunk])])
+    src = CopySource()  # one thread: one read, hashed after
+    assert pull._landed(src, items, threads=1) == digests and src.calls == [8]

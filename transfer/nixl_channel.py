@@ -116,6 +116,8 @@ class NixlSource:
             self.scratch_region = self.agent.register(self.scratch)
         return self.scratch, self.scratch_region
 
+    hashes = False  # the agent moves bytes only: transfer.pull hashes what landed
+
     def read_many(self, items, threads: int = 1) -> list[None]:
         """Read the sender's bytes at each (offset, buffers) pair into those buffers: the ones in
         this receiver's registered pool in one READ, the others through the scratch buffer in a

@@ -22,7 +22,15 @@ import stat
 import numpy as np
 
 from kvcache.shm_pool import PREFIX, SHM_DIR
-from transfer.checksum import checksum_many, copy_hashed, spread
+from transfer.checksum import (
+    PARALLEL_MIN_BYTES,
+    checksum_many,
+    checksum_parts,
+    copy_hashed,
+    spread,
+    total_bytes,
+    worker_pool,
+)
 from transfer.errors import FrameCountError, MalformedMessage
 from transfer.messages import PoolOffer
 
@@ -82,12 +90,27 @@ def land_pulled(session, source, data, threads: int = 1) -> None:
 
 def _landed(source, items, threads: int) -> list[int]:
     """Read `items` ((offset, buffers) pairs) from `source`; the xxh3-64 of what landed in each
-    item's buffers: the source's own when it hashed while copying, else hashed here afterwards."""
-    digests = source.read_many(items, threads)
-    missing = [i for i, d in enumerate(digests) if d is None]
-    for i, d in zip(missing, checksum_many([items[i][1] for i in missing], threads)):
-        digests[i] = d
-    return digests
+    item's buffers: the source's own when it hashed while copying (`hashes`), else hashed here
+    after it landed. A source that does not hash (a NIXL agent's one-sided READ) is read in
+    READ_GROUPS groups of items when there is more than one item and PARALLEL_MIN_BYTES to read,
+    each group hashed on a worker thread while the next one is read."""
+    total = total_bytes([bufs for _, bufs in items])
+    if getattr(source, "hashes", True) or threads <= 1 or len(items) < 2 or total < PARALLEL_MIN_BYTES:
+        digests = source.read_many(items, threads)
+        missing = [i for i, d in enumerate(digests) if d is None]
+        for i, d in zip(missing, checksum_many([items[i][1] for i in missing], threads)):
+            digests[i] = d
+        return digests
+    size = -(-len(items) // READ_GROUPS)
+    pending = []
+    for at in range(0, len(items), size):
+        group = items[at:at + size]
+        source.read_many(group, 1)
+        pending += [worker_pool(threads).submit(checksum_parts, bufs) for _, bufs in group]
+    return [f.result() for f in pending]
+
+
+READ_GROUPS = 4  # a non-hashing source's reads, each hashed while the next one lands
 
 
 class ShmAdvert:
