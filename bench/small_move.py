@@ -34,12 +34,15 @@ from bench.machine import describe
 from bench.pools import fill_random_sequence, make_manager, parse_kv_shape
 from bench.ray_receiver import release_import
 from kvcache.storage import KVLayout
-from transfer.codec import encode, seal
+from transfer.checksum import checksum, copy_hashed
+from transfer.codec import decode, encode, seal, unseal
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession
+from transfer.messages import Ack, Manifest
 from transfer.reblock import check_compatible
+from transfer.session import SenderSession
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqChannel, ZmqSender
+from transfer.zmq_channel import ZmqChannel
 from transfer.zmq_receiver import ZmqReceiver
 
 
@@ -117,9 +120,7 @@ def two_processes(tokens: int, repeats: int, pin: bool, threads: int) -> dict:
             os.sched_setaffinity(0, {0})
         m = _manager(tokens, True)
         cfg = TransportConfig(address=address)
-        sender = ZmqSender(m.storage.layout.fingerprint(), cfg)
-        sender.channel.close()
-        sender.channel = _StampedChannel(cfg)
+        sender = SenderSession(m.storage.layout.fingerprint(), cfg, _StampedChannel(cfg))
         sender.connect()
         sends = _StampedSocket.stamps
         sends.clear()
@@ -164,10 +165,6 @@ def in_process(tokens: int, repeats: int) -> dict:
     fp = src.storage.layout.fingerprint()
     plan = check_compatible(fp, fp)
     ecfg = ExportConfig(chunk_bytes=2 << 20, checksum_mode="inline")
-    from transfer.checksum import checksum, copy_hashed
-    from transfer.codec import decode, unseal
-    from transfer.messages import Ack, Manifest
-
     steps: dict[str, list[float]] = {}
 
     def tick(name: str, t0: float) -> float:

@@ -34,8 +34,9 @@ from transfer.checksum import (
 from transfer.errors import FrameCountError, MalformedMessage
 from transfer.messages import PoolOffer
 
-# way -> opener(blob: bytes, storage) -> a source with close() and read_many([(offset, bufs), ...],
-# threads) -> per item, the xxh3-64 of what landed when the source hashed while copying, else None
+# way -> opener(blob: bytes, storage) -> a source with close(), `hashes` (whether it hashes while it
+# copies) and read_many([(offset, bufs), ...], threads) -> per item, the xxh3-64 of what landed when
+# the source hashed while copying, else None
 SOURCES: dict = {}
 
 
@@ -95,7 +96,7 @@ def _landed(source, items, threads: int) -> list[int]:
     READ_GROUPS groups of items when there is more than one item and PARALLEL_MIN_BYTES to read,
     each group hashed on a worker thread while the next one is read."""
     total = total_bytes([bufs for _, bufs in items])
-    if getattr(source, "hashes", True) or threads <= 1 or len(items) < 2 or total < PARALLEL_MIN_BYTES:
+    if source.hashes or threads <= 1 or len(items) < 2 or total < PARALLEL_MIN_BYTES:
         digests = source.read_many(items, threads)
         missing = [i for i, d in enumerate(digests) if d is None]
         for i, d in zip(missing, checksum_many([items[i][1] for i in missing], threads)):
@@ -136,6 +137,8 @@ class ShmAdvert:
 class ShmSource:
     """Receiver side of "shm": a same-node sender's pool file (a regular file of this user's in
     SHM_DIR named PREFIX...), mapped read-only."""
+
+    hashes = True  # read_many hashes each window as it lands
 
     def __init__(self, blob: bytes, storage=None):
         try:
