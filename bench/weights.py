@@ -1,9 +1,11 @@
 """Weight formats against f32 on one model, behind `pdserve bench weights`.
 
 The formats: bf16 and int8 (the float32 weights rounded), gguf (the file's own Q4_1/Q8_0 blocks,
-whose values the float32 model already holds: it agrees with f32 up to summation order). The text
-pass is one prefill forward, on the float32 weights: for gguf, the same as f32's, so its top-1
-and perplexity equal f32's by construction; its greedy runs (decode rows) test its kernel.
+whose values the float32 model already holds: it agrees with f32 up to summation order), gguf-q8
+(the same blocks, activations rounded to int8 blocks). The text pass is one prefill forward, on
+the float32 weights: for gguf and gguf-q8, the same as f32's by construction. So the text also
+goes through in chunks of a decode step's rows (`decode_path`): every projection and the logits
+then run through the format's own kernels, as decoding does; its greedy runs test them too.
 
 For each format (f32 first, as the reference) the model is loaded through the engine's loader and
 measured on four things. Agreement: greedy continuations of a few prompts, the first position
@@ -40,8 +42,10 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
-def text_logits(model, config, ids: list[int]) -> torch.Tensor:
-    """One prefill forward over ids (T,) on a fresh pool -> logits (T, V) float32."""
+def text_logits(model, config, ids: list[int], rows: int | None = None) -> torch.Tensor:
+    """ids (T,) through the model on a fresh pool -> logits (T, V) float32: one prefill forward
+    (rows None), or chunks of `rows` tokens, each a forward of that many rows, so that every
+    projection and the logits run through the decode-sized kernels (a weight format's own path)."""
     from engine.attn_metadata import AttentionMetadata
     from engine.attn_torch import Workspace
     from kvcache.storage import KVStorage
@@ -49,11 +53,17 @@ def text_logits(model, config, ids: list[int]) -> torch.Tensor:
     block = 16
     n = -(-len(ids) // block)
     storage = KVStorage(config.kv_layout(block), n + 1)
-    meta = AttentionMetadata.build([list(range(n))], [len(ids)], [len(ids)], block)
-    meta.workspace = Workspace(mirror=False, kernel=False)
+    step = rows or len(ids)
+    out = []
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), storage, meta)  # (T, hidden)
-        return model.compute_logits(hidden)  # (T, V)
+        for start in range(0, len(ids), step):
+            end = min(len(ids), start + step)
+            meta = AttentionMetadata.build([list(range(n))], [end], [end - start], block)
+            meta.workspace = Workspace(mirror=False, kernel=False)
+            hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), storage,
+                           meta)  # (t, hidden)
+            out.append(model.compute_logits(hidden))  # (t, V)
+    return torch.cat(out)  # (T, V)
 
 
 def _engine(loaded, weights: str, blocks: int):
@@ -96,9 +106,12 @@ def measure(weights: str, new_tokens: int, batch: int, reference: dict | None) -
                  "decode_weight_bytes": weight_format.decode_weight_bytes(model)}
     ids = tok.encode(TEXT.read_text())
     logits = text_logits(model, config, ids)  # (T, V)
-    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:]))
-    out["text_tokens"], out["perplexity"] = len(ids), math.exp(nll.item())
+    out["text_tokens"], out["perplexity"] = len(ids), perplexity(logits, ids)
     top1 = logits.argmax(-1)
+    rows = decode_rows(model)
+    kernel_logits = text_logits(model, config, ids, rows)  # (T, V) through the decode-sized kernels
+    out["decode_path"] = {"rows": rows, "perplexity": perplexity(kernel_logits, ids)}
+    kernel_top1 = kernel_logits.argmax(-1)
     eng = _engine(loaded, weights, 256)
     greedy = [c.choices[0]["token_ids"] for c in
               eng.generate([tok.encode(p) for p in PROMPTS], SamplingParams(max_tokens=new_tokens))]
@@ -108,14 +121,31 @@ def measure(weights: str, new_tokens: int, batch: int, reference: dict | None) -
     out["batched"] = decode_speed(loaded, weights, prompt, batch, new_tokens)
     if reference is not None:
         out["top1_agreement"] = (top1 == reference["_top1"]).double().mean().item()
+        same = kernel_top1 == reference["_kernel_top1"]
+        out["decode_path"]["top1_agreement"] = same.double().mean().item()
+        out["decode_path"]["perplexity_vs_f32"] = (out["decode_path"]["perplexity"]
+                                                   / reference["decode_path"]["perplexity"])
         out["first_divergence"] = [first_divergence(g, r) for g, r in zip(greedy, reference["_greedy"])]
         out["perplexity_vs_f32"] = out["perplexity"] / reference["perplexity"]
-    out["_top1"], out["_greedy"] = top1, greedy
+    out["_top1"], out["_kernel_top1"], out["_greedy"] = top1, kernel_top1, greedy
     return out
 
 
-def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf"), new_tokens: int = 48, batch: int = 8,
-        json_path: str | None = None) -> dict:
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean negative log likelihood of ids[1:] under logits (T, V)."""
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:])).item())
+
+
+def decode_rows(model) -> int:
+    """Rows a decode step's projections take through the format's kernels (4 without them)."""
+    from engine.cpu_gemm import Projection
+
+    lowp = [m.lowp for m in model.modules() if isinstance(m, Projection) and m.lowp is not None]
+    return min((lin.max_rows for lin in lowp), default=4)
+
+
+def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf", "gguf-q8"), new_tokens: int = 48,
+        batch: int = 8, json_path: str | None = None) -> dict:
     from bench import machine
 
     where = machine.describe()
@@ -130,8 +160,10 @@ def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf"), new_tokens: 
         r["bytes_per_step_over_step_time_gb_s"] = r["decode_weight_bytes"] / step / 1e9
         r["fraction_of_copy_bandwidth"] = r["bytes_per_step_over_step_time_gb_s"] / bw
         results.append(r)
-        agree = "" if fmt == "f32" else (f", top-1 {r['top1_agreement']:.4f}, first divergence "
-                                         f"{r['first_divergence']}")
+        dp = r["decode_path"]
+        agree = "" if fmt == "f32" else (f", top-1 {r['top1_agreement']:.4f} (decode path "
+                                         f"{dp['top1_agreement']:.4f}, ppl {dp['perplexity']:.3f}), "
+                                         f"first divergence {r['first_divergence']}")
         one, many = r["single"], r["batched"]
         print(f"[{fmt}] ppl {r['perplexity']:.3f}{agree}; single-stream step {one['step_ms_p50']:.1f} ms "
               f"({one['tokens_per_s']:.1f} tok/s), {batch} streams {many['step_ms_p50']:.1f} ms "
@@ -140,7 +172,7 @@ def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf"), new_tokens: 
               f"{100 * r['fraction_of_copy_bandwidth']:.0f}% "
               f"of copy bandwidth", flush=True)
     for r in results:
-        r.pop("_top1"), r.pop("_greedy")
+        r.pop("_top1"), r.pop("_kernel_top1"), r.pop("_greedy")
     report = {"machine": where, "model": "smollm2", "text": TEXT.name, "prompts": PROMPTS,
               "new_tokens": new_tokens, "batch": batch, "formats": results}
     if json_path:

