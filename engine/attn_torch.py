@@ -126,6 +126,12 @@ def _plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, layer
     return plan
 
 
+def decode_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> TorchPlan:
+    """The step's plan as the first layer builds it (engine.cpu_decode_layers reads its kernel
+    batch and slots): q (T, Hq, D) gives the shape and dtype, k_cache (N, B, Hkv, D) the pool."""
+    return _plan(meta, q, k_cache, 0)
+
+
 @dataclass
 class KernelStep:
     """The decode rows the compiled kernel serves this step (engine.cpu_attention)."""

@@ -47,14 +47,18 @@ LIBRARIES = {
         "pd_gemv_int8": ([_P, _I, _P, _I, _P, _P, _I, _I, _I, _P, _I, _C], None)}),
     # float32 sums of a GGUF file's own Q4_1/Q8_0 blocks (engine.cpu_gguf)
     "gguf_gemv": (["-fopenmp", "-ffp-contract=fast"], {
-        "pd_gemv_q4_1": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None),
-        "pd_gemv_q8_0": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None)}),
+        "pd_gemv_q4_1": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C),
+        "pd_gemv_q8_0": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C)}),
     # the same blocks against x rounded to int8 blocks: integer dot products (engine.cpu_gguf, act q8)
     "gguf_q8": (["-fopenmp", "-ffp-contract=fast"], {
         "pd_gemv_q4_1_q8": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C),
         "pd_gemv_q8_0_q8": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C),
         "pd_quantize_q8": ([_P, _I, _I, _I, _P, _P, _P], None),
         "pd_gguf_q8_simd": ([], _C)}),
+    # a decode step's decoder layers, calling the kernels above through pointers (engine.cpu_decode_layers)
+    "decode_layers": (["-ffp-contract=off"], {
+        "pd_decode_layers": ([_P, _P], _C),
+        "pd_decode_scratch": ([_P, _I], _I)}),
 }
 
 

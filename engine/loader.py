@@ -23,6 +23,7 @@ import torch
 from engine import weight_format
 from engine.attention import AttentionBackend, get_backend
 from engine.config import ModelConfig
+from engine.cpu_decode_layers import DecodeLayers
 from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
 from engine.model import LlamaModel
 from engine.tokenizer import ByteTokenizer, HFTokenizer, gguf_tokenizer, load_tokenizer
@@ -90,6 +91,7 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
     weight_format.apply(model, weights, blocks)  # before packing: oneDNN packs the rounded weights
     model.pack_cpu_gemm(cpu_gemm)  # a no-op off CPU float32
     model.use_cpu_fused(cpu_fused)  # likewise
+    model.decode_layers = DecodeLayers.build(model)  # GGUF blocks on CPU: decode steps' layers in C
     config = dataclasses.replace(config, dtype=dtype_name(run_dtype))
     return model, config, tokenizer
 

@@ -160,6 +160,7 @@ class LlamaModel(nn.Module):
                         else Projection(config.hidden_size, config.vocab_size, bias=False))
         self.logits_packed: PackedLinear | None = None  # set by pack_cpu_gemm
         self.logits_lowp = None  # engine.cpu_lowp.LowpLinear for a few rows, set by engine.weight_format
+        self.decode_layers = None  # engine.cpu_decode_layers.DecodeLayers: decode steps' layers in C
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """Every parameter under its checkpoint key (without "model."), in the order an unfused
@@ -206,6 +207,9 @@ class LlamaModel(nn.Module):
         self._check(input_ids, positions, kv)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary.tables(positions, h.dtype, meta.max_seq_len - 1)  # (T, D) each
+        if self.decode_layers is not None and (rows is None or len(rows) == len(input_ids)) \
+                and self.decode_layers.run(h, cos, sin, kv, meta):  # a decode step, its layers in C
+            return self.norm.forward(h)
         cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D): every head of a row alike
         keep = None if rows is None else (rows, int64_tensor(rows, h.device))
         last = len(self.layers) - 1

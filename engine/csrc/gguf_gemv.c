@@ -211,12 +211,15 @@ static void gemv(const tile_fn *tiles, const tile_fn *rows, const float *x, int6
     }
 }
 
-void pd_gemv_q4_1(const float *x, int64_t xs, const uint8_t *w, int64_t ws, const float *bias, int64_t M,
-                  int64_t N, int64_t K, float *y, int64_t ys, int threads) {
+/* both return 0 (the signature engine/csrc/decode_layers.c calls projections with) */
+int pd_gemv_q4_1(const float *x, int64_t xs, const uint8_t *w, int64_t ws, const float *bias, int64_t M,
+                 int64_t N, int64_t K, float *y, int64_t ys, int threads) {
     gemv(q4_1_tiles, q4_1_rows, x, xs, w, ws, bias, M, N, K, y, ys, threads);
+    return 0;
 }
 
-void pd_gemv_q8_0(const float *x, int64_t xs, const uint8_t *w, int64_t ws, const float *bias, int64_t M,
-                  int64_t N, int64_t K, float *y, int64_t ys, int threads) {
+int pd_gemv_q8_0(const float *x, int64_t xs, const uint8_t *w, int64_t ws, const float *bias, int64_t M,
+                 int64_t N, int64_t K, float *y, int64_t ys, int threads) {
     gemv(q8_0_tiles, q8_0_rows, x, xs, w, ws, bias, M, N, K, y, ys, threads);
+    return 0;
 }
