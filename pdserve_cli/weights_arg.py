@@ -6,9 +6,10 @@ format), `bf16` (matrices stored as bfloat16, float32 sums), `int8` (per-output-
 `gguf-q8` (the same blocks, activations rounded to int8 blocks as llama.cpp does). `serve`,
 `up` and `demo` choose on CPU from `pdserve bench weights` on SmolLM2 (2 cores): a GGUF model gets
 `gguf`, which holds exactly the weights f32 holds (the file's blocks are what f32 dequantizes),
-so its greedy tokens equal f32's, while a decode step reads 96 MB instead of 538 and runs ~3x
+so its greedy tokens equal f32's, while a decode step reads 96 MB instead of 538 and runs 5-6x
 faster; any other model gets bf16 (99.4% top-1 agreement with f32, perplexity within 0.1%, 1.4x
-faster); int8 (2.3x) agrees on 95.6% of positions only, so it stays an opt-in. GPUs keep f32
+faster); int8 (2.1x) agrees on 95.6% of positions only, and gguf-q8 (1.2-1.6x gguf's speed) on
+95.4%, its greedy tokens leaving f32's as early as the 5th, so both stay opt-ins. GPUs keep f32
 (their dtype is --dtype). `generate` defaults to f32.
 """
 
