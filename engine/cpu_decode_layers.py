@@ -1,15 +1,16 @@
-"""A decode step's decoder layers in one C call (engine/csrc/decode_layers.c), for GGUF-block models.
+"""A decode step's decoder layers in one C call (engine/csrc/decode_layers.c), for GGUF and bf16 weights.
 
 A decode step streams every weight once, which evicts the interpreter's working set from the
 caches: each of the ~11 kernel calls a layer makes from Python then costs 20-40 us instead of
 about 5 (SmolLM2: ~330 calls, 6-8 ms of a 20 ms step). `DecodeLayers` makes those calls from C,
-through pointers to the same kernels (engine.cpu_fused, engine.cpu_gguf, engine.cpu_attention),
+through pointers to the same kernels (engine.cpu_fused, the projections' own, engine.cpu_attention),
 in the same order, on the same buffers' worth of data, so the hidden states are bit for bit the
-Python path's. It applies to a float32 CPU model whose every projection is an
-engine.cpu_gguf.GgufLinear (`--weights gguf` or `gguf-q8`) with the fused kernels on, and to a
-step whose rows are all decode rows (one query each, at most the projections' `max_rows`) served
-by the compiled attention kernel; anything else returns False and the model runs its Python path.
-`build` returns None where the model does not qualify (another format, no compiler).
+Python path's. It applies to a float32 CPU model whose every projection offers its C kernel
+(`c_gemv`: engine.cpu_gguf.GgufLinear for `--weights gguf` and `gguf-q8`, engine.cpu_lowp's bf16
+LowpLinear for `bf16`) with the fused kernels on, and to a step whose rows are all decode rows (one
+query each, at most the projections' `max_rows`) served by the compiled attention kernel; anything
+else returns False and the model runs its Python path. `build` returns None where the model does
+not qualify (f32 or int8 weights, no compiler).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ctypes
 
 import torch
 
-from engine import attn_torch, cpu_attention, cpu_fused, cpu_gguf, cpu_kernels
+from engine import attn_torch, cpu_attention, cpu_fused, cpu_kernels
 
 _I64, _PTR, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -50,9 +51,8 @@ def _address(fn) -> int:
     return ctypes.cast(fn, _PTR).value
 
 
-def _proj(linear: cpu_gguf.GgufLinear) -> _Proj:
-    w, ws, bias = linear._args
-    return _Proj(_address(linear._fn), w, ws, bias, linear.out_features, linear.in_features)
+def _proj(linear) -> _Proj:
+    return _Proj(*linear.c_gemv())
 
 
 class DecodeLayers:
@@ -83,7 +83,8 @@ class DecodeLayers:
         layers = model.layers
         if not all(la.input_layernorm.fused and la.self_attn.fused and la.mlp.fused for la in layers):
             return None
-        if not all(isinstance(p.lowp, cpu_gguf.GgufLinear) for p in _projections(model)):
+        if not all(callable(getattr(p.lowp, "c_gemv", None)) and p.lowp.c_gemv() is not None
+                   for p in _projections(model)):
             return None
         return DecodeLayers(model, lib)
 

@@ -19,6 +19,8 @@ they stand for.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from engine import cpu_kernels
@@ -167,6 +169,12 @@ class GgufLinear:
         self._weight = blocks
         bias = None if self.bias is None else self.bias.data_ptr()
         self._args = (blocks.data_ptr(), blocks.stride(0), bias)
+
+    def c_gemv(self) -> tuple[int, int, int, int | None, int, int]:
+        """(C function address, weight address, row stride, bias address or None, N, K) for
+        engine.cpu_decode_layers."""
+        fn = ctypes.cast(self._fn, ctypes.c_void_p).value
+        return (fn, *self._args, self.out_features, self.in_features)
 
     @property
     def nbytes(self) -> int:

@@ -43,7 +43,7 @@ LIBRARIES = {
         "pd_store_kv_f32": ([_P, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P], _C)}),
     # float32 sums of bf16/int8 weights (engine.cpu_lowp): fused multiply-adds wanted here
     "lowp_gemv": (["-fopenmp", "-ffp-contract=fast"], {
-        "pd_gemv_bf16": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], None),
+        "pd_gemv_bf16": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _I, _C], _C),
         "pd_gemv_int8": ([_P, _I, _P, _I, _P, _P, _I, _I, _I, _P, _I, _C], None)}),
     # float32 sums of a GGUF file's own Q4_1/Q8_0 blocks (engine.cpu_gguf)
     "gguf_gemv": (["-fopenmp", "-ffp-contract=fast"], {

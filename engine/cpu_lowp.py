@@ -13,6 +13,8 @@ order. Without a compiler `available()` is False and nothing here is used.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from engine import cpu_kernels
@@ -120,6 +122,16 @@ class LowpLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.max_rows = max_rows
         self.out_features = stored.shape[0]
+
+    def c_gemv(self) -> tuple[int, int, int, int | None, int, int] | None:
+        """(C function address, weight address, row stride, bias address or None, N, K) for
+        engine.cpu_decode_layers: bf16 only (int8's kernel takes a scale too), None without it."""
+        if self.scale is not None or not self.weight.is_contiguous() or not available():
+            return None
+        fn = ctypes.cast(_lib().pd_gemv_bf16, ctypes.c_void_p).value
+        bias = None if self.bias is None else self.bias.data_ptr()
+        w = self.weight
+        return fn, w.data_ptr(), w.stride(0), bias, self.out_features, w.shape[1]
 
     @property
     def nbytes(self) -> int:

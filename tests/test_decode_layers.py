@@ -1,6 +1,7 @@
 """engine.cpu_decode_layers: a decode step's decoder layers in one C call.
 
-On the tiny model with its matrices as GGUF blocks (Q4_1 and Q8_0, both activation modes): every
+On the tiny model with its matrices as GGUF blocks (Q4_1 and Q8_0, both activation modes) or as
+bf16: every
 step's logits and the whole KV pool bit for bit those of the Python path, for decode batches of
 1 to 8 rows with sequences of different lengths; steps it does not serve (prefill, more rows than
 the kernels take) go the Python way; and a model that does not qualify gets no C path.
@@ -20,9 +21,11 @@ pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="no C compiler 
 
 def gguf_tiny(act: str):
     """The tiny model (float32, CPU) with every matrix as GGUF blocks (down projections Q4_1, the
-    rest Q8_0) in `act` mode, packed and fused like the loader does."""
+    rest Q8_0) in `act` mode, packed and fused like the loader does; act "bf16": the loader's bf16."""
     from engine.loader import load_model
 
+    if act == "bf16":
+        return load_model("tiny", backend="torch", weights="bf16")
     model, config, tok = load_model("tiny", backend="torch")
     blocks = {}
     with torch.no_grad():
@@ -76,10 +79,11 @@ def _run(loaded, c_path: bool, prompts: list[list[int]]):
             del runner.run
 
 
-@pytest.mark.parametrize("act", ["f32", "q8"])
+@pytest.mark.parametrize("act", ["f32", "q8", "bf16"])
 @pytest.mark.parametrize("count", [1, 3, 8, 10])
 def test_bit_for_bit_the_python_path(act, count):
     loaded = gguf_tiny(act)
+    rows = loaded[0].decode_layers.max_rows  # GGUF kernels 8, bf16 4
     assert loaded[0].decode_layers is not None
     prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(count)]
     c_logits, c_pool, served = _run(loaded, True, prompts)
@@ -87,10 +91,10 @@ def test_bit_for_bit_the_python_path(act, count):
     assert len(c_logits) == len(py_logits)
     assert all(torch.equal(a, b) for a, b in zip(c_logits, py_logits))
     assert torch.equal(c_pool, py_pool)
-    if count <= cpu_gguf.MAX_ROWS:
+    if count <= rows:
         assert served > 5  # decode steps of 1..count rows
     else:
-        assert served > 0  # 10 rows go the Python way until sequences finish and 8 or fewer remain
+        assert served > 0  # more rows go the Python way until sequences finish and few enough remain
 
 
 def test_only_gguf_models_with_the_kernels_qualify():
@@ -98,6 +102,7 @@ def test_only_gguf_models_with_the_kernels_qualify():
 
     model = load_model("tiny", backend="torch")[0]
     assert model.decode_layers is None and DecodeLayers.build(model) is None  # f32 projections
+    assert load_model("tiny", backend="torch", weights="int8")[0].decode_layers is None  # a scale per row
     gguf = gguf_tiny("f32")[0]
     gguf.use_cpu_fused(False)
     assert DecodeLayers.build(gguf) is None  # the torch elementwise path

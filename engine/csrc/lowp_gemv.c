@@ -173,9 +173,11 @@ static void gemv(int format, const float *x, int64_t xs, const void *w, int64_t 
     }
 }
 
-void pd_gemv_bf16(const float *x, int64_t xs, const uint16_t *w, int64_t ws, const float *bias, int64_t M,
-                  int64_t N, int64_t K, float *y, int64_t ys, int threads) {
+/* returns 0: the projection signature engine/csrc/decode_layers.c calls */
+int pd_gemv_bf16(const float *x, int64_t xs, const uint16_t *w, int64_t ws, const float *bias, int64_t M,
+                 int64_t N, int64_t K, float *y, int64_t ys, int threads) {
     gemv(0, x, xs, w, ws, NULL, bias, M, N, K, y, ys, threads);
+    return 0;
 }
 
 void pd_gemv_int8(const float *x, int64_t xs, const int8_t *w, int64_t ws, const float *scale, const float *bias,
