@@ -93,11 +93,12 @@ def kernel_march() -> str:
 
 def kernels_loaded() -> dict:
     """Which compiled CPU libraries and packed-GEMM backends are usable in this process."""
-    from engine import cpu_attention, cpu_fused, cpu_gemm, cpu_gguf, cpu_lowp
+    from engine import cpu_attention, cpu_fused, cpu_gemm, cpu_gguf, cpu_kernels, cpu_lowp
 
     return {"paged_decode": cpu_attention.available(), "fused": cpu_fused.available(),
             "lowp_gemv": cpu_lowp.available(), "gguf_gemv": cpu_gguf.available(),
-            "onednn_packed": cpu_gemm.available()}
+            "gguf_q8": cpu_gguf.available("q8"), "onednn_packed": cpu_gemm.available(),
+            "decode_layers": cpu_kernels.load("decode_layers") is not None}
 
 
 def engine_paths(engine) -> dict:
@@ -114,6 +115,9 @@ def engine_paths(engine) -> dict:
             "torch mirror" if engine.workspace.mirror is not None else "torch gather",
             "elementwise": "cpu_fused (rms_norm, rotary, silu_mul)" if fused else "torch",
             "weights": getattr(engine.config, "weights", "f32"),
+            "decode_layers": "C (engine.cpu_decode_layers, decode steps of at most "
+                             f"{model.decode_layers.max_rows} rows)" if getattr(model, "decode_layers", None)
+                             is not None else "python",
             "projections": {"total": len(projections), "lowp_gemv_small_rows": lowp, "onednn_packed": packed,
                             "f_linear": len(projections) - packed},
             "logits": "lowp_gemv (small rows)" if getattr(model, "logits_lowp", None) is not None else
