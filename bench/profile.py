@@ -51,6 +51,8 @@ class ProfileConfig:
     serving_repeats: int = 4           # back-to-back requests per length (prefill-only, and full)
     serving_gaps_ms: tuple[float, ...] = (10, 25, 50, 100, 200, 400)  # idle before an isolated request
     serving_isolated_repeats: int = 3  # isolated requests per (length, gap)
+    serving_loaded_rate: float = 15.0  # req/s of the loaded phase: the serving processes' CPU under load
+    serving_loaded_requests: int = 60  # requests in it (Poisson arrivals, the lengths above in turn)
     contention_steps: int = 60
     threads: int | None = 1  # torch threads while timing the engine: 1, as every worker (runtime.actor)
 
@@ -59,7 +61,7 @@ QUICK = ProfileConfig(prompt_lens=(16, 64, 256, 512), cached_fractions=(0.0, 0.7
                       contexts=(128,), decode_steps=5, repeats=5, migrate_tokens=(16, 128, 512),
                       migrate_repeats=5, quick=True, serving_prompt_lens=(16, 128, 512, 1024),
                       serving_max_tokens=16, serving_repeats=3, serving_gaps_ms=(20, 60, 300),
-                      serving_isolated_repeats=3, contention_steps=40)
+                      serving_isolated_repeats=3, serving_loaded_requests=45, contention_steps=40)
 
 
 def _engine(cfg: ProfileConfig):
@@ -204,7 +206,8 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
     log("serving path (sequential requests through real clusters) ...")
     report["serving"] = s = measure_serving(cfg, from_profile(report), log)
     f = report["fits"]
-    f["serving"] = {k: {x: s[k]["fit"][x] for x in ServingPath.__dataclass_fields__} for k in KINDS}
+    f["serving"] = {k: {**{x: s[k]["fit"].get(x, 0.0) for x in ServingPath.__dataclass_fields__},
+                        "cpu_ms": s[k]["loaded"]["cpu_ms_per_request"]} for k in KINDS}
     f["request_overhead_ms"] = {k: s[k]["request_overhead_ms"] for k in KINDS}  # back to back, median
     f["token_overhead_ms"] = {k: s[k]["token_overhead_ms"] for k in KINDS}
     f["contention"] = report["contention"]["contention"]

@@ -159,6 +159,7 @@ def _run_kind(url: str, cfg, model, kind: str, seed: int, step_budget: int) -> d
                                  run_s, base)
     alone = load_in_subprocess(url, specs, 60.0)[0]
     cpu, wall = sum(os.times()[:2]) - cpu0, time.monotonic() - wall0
+    loaded = _loaded(url, cfg, rng, n_tok)
     idle = _idle(only + full + alone)
     rows = _rows(full + alone, model, kind, gaps, idle, cached | more)
     fit = fit_ttft([r for r in rows if r["idle_ms"] >= 0])  # an overlapped request queued: not a cost
@@ -170,7 +171,30 @@ def _run_kind(url: str, cfg, model, kind: str, seed: int, step_budget: int) -> d
                                            gap_ms=0.0),  # back to back, fresh: the older constant
             "prefill_only_overhead_ms": _median(only_rows, "resid_ms"), "token_overhead_ms": fit["token_ms"],
             "client_ms_p50": _median(rows, "client_ms"),
-            "process_cpu_ms_per_request": cpu * 1e3 / max(1, len(full) + len(alone)), "phase_wall_s": wall}
+            "process_cpu_ms_per_request": cpu * 1e3 / max(1, len(full) + len(alone)), "phase_wall_s": wall,
+            "loaded": loaded}
+
+
+def _loaded(url: str, cfg, rng, n_tok: int) -> dict:
+    """The serving processes' CPU per request under load: Poisson arrivals at
+    `cfg.serving_loaded_rate`, fresh prompts of the serving lengths in turn; this process (the
+    coordinator) and the load client's child process, over the requests sent. Sequential requests
+    overstate it: under load the per-step work (reports, polls) is shared by the batch."""
+    from bench.loadgen import PROMPT_ID_RANGE, RequestSpec
+    from bench.serve_client import load_in_subprocess
+
+    n, lens = cfg.serving_loaded_requests, cfg.serving_prompt_lens
+    arrivals = np.cumsum(rng.exponential(1.0 / cfg.serving_loaded_rate, size=n))
+    prompts = [[int(x) for x in rng.integers(*PROMPT_ID_RANGE, size=lens[i % len(lens)])] for i in range(n)]
+    specs = [RequestSpec(3000 + i, float(t), prompts[i], n_tok) for i, t in enumerate(arrivals)]
+    own0, kids0 = sum(os.times()[:2]), sum(os.times()[2:4])
+    records, duration, _ = load_in_subprocess(url, specs, 60.0)
+    own, kids = sum(os.times()[:2]) - own0, sum(os.times()[2:4]) - kids0
+    ok = sum(r.ok for r in records)
+    return {"rate": cfg.serving_loaded_rate, "requests": n, "ok": ok, "duration_s": duration,
+            "coordinator_cpu_ms_per_request": own * 1e3 / max(1, n),
+            "client_cpu_ms_per_request": kids * 1e3 / max(1, n),
+            "cpu_ms_per_request": (own + kids) * 1e3 / max(1, n)}
 
 
 def measure_serving(cfg, model, log=print) -> dict:
@@ -193,10 +217,13 @@ def measure_serving(cfg, model, log=print) -> dict:
             finally:
                 srv.stop()
             f = o["fit"]
-            path = ServingPath(**{k: f[k] for k in ServingPath.__dataclass_fields__})
+            path = ServingPath(**{k: f.get(k, 0.0) for k in ServingPath.__dataclass_fields__})
             log(f"  serving {kind}: {path.describe()} (rms {fmt(f['rms_ms'], 2)} ms; client share "
                 f"{fmt(o['client_ms_p50'], 2)} ms; worker engine x{fmt(_ratio(o), 2)} the model; "
-                f"{o['failed']} failed)")
+                f"{o['failed']} failed); CPU per request at {o['loaded']['rate']:g} req/s: coordinator "
+                f"{o['loaded']['coordinator_cpu_ms_per_request']:.1f} ms, client "
+                f"{o['loaded']['client_cpu_ms_per_request']:.1f} ms (sequential: coordinator "
+                f"{o['process_cpu_ms_per_request']:.1f})")
     finally:
         stop_ray(started)
     return out

@@ -271,3 +271,23 @@ def test_resimulate_predicts_a_saved_validation_again():
     assert v["unloaded"]["colocated"]["measured_ttft_p50"] == 10.0
     assert v["ranking"]["measured"] == ["colocated 2", "1P+1D"]
     assert "gap_ci" not in v["ranking"]["pairs"][0]  # one cell without flags: no bootstrap
+
+
+def test_serving_cpu_beside_the_engines_stretches_their_steps():
+    """Two engines on two cores with the serving processes using 0.8 of a core: steps run 2.8 / 2 =
+    1.4x as long while both engines step, not at all longer while one does; the measured engine
+    contention wins where it is the larger. In the simulation: one engine on one core, under a
+    workload whose rate times the CPU per request is half a core, decodes 1.5x slower."""
+    base = replace(synthetic(decode_fixed_ms=10.0, decode_ms_per_seq=0.0), cores=2)
+    assert base.stretch(1, 0.8) == pytest.approx(1.4)
+    assert base.stretch(0, 0.8) == pytest.approx(1.0)
+    assert replace(base, contention=0.5).stretch(1, 0.8) == pytest.approx(1.5)
+    assert replace(base, cores=0).stretch(1, 0.8) == pytest.approx(1.0)  # machine unknown: no stretch
+
+    def tpot(cpu_ms: float) -> float:
+        m = replace(base, cores=1, colocated=replace(base.colocated, cpu_ms=cpu_ms))
+        reqs = [Req(0, 0.0, 16, 40), Req(1, 0.1, 16, 40)]  # 10 req/s
+        o = next(o for o in simulate(reqs, m, SimConfig(colocated=1)) if o.req.index == 0)
+        return (o.end_s - o.first_s) / 39
+
+    assert tpot(50.0) / tpot(0.0) == pytest.approx(1.5)  # 10 req/s x 50 ms = half a core

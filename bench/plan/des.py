@@ -107,6 +107,13 @@ class Simulation:
         # a decoding worker loop's own work per iteration (reports, stats, KV polls): the profile's
         # per-token serving cost, measured at batch 1 where one iteration is one token
         self._loop_ms = model.serving("colocated" if config.colocated else "disaggregated").token_ms
+        # the serving processes' CPU beside the engines, in cores: the workload's mean arrival rate
+        # times the CPU the profile measured per request (StepModel.stretch)
+        arrivals = sorted(r.arrival_s for r in reqs)
+        span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+        rate = (len(arrivals) - 1) / span if span > 0 else 0.0
+        cpu_ms = model.serving("colocated" if config.colocated else "disaggregated").cpu_ms
+        self._load = rate * cpu_ms / 1e3
         self._after_step: list[SimEngine] = []
         self.target: dict[int, SimEngine] = {}    # request -> decode engine of a disaggregated request
         self._lease: dict[int, tuple[SimEngine, Job]] = {}  # import job -> (prefill engine, its job)
@@ -160,7 +167,7 @@ class Simulation:
             work = sum(path.work_ms(j.req.prompt_tokens - j.cached_tokens, j.req.prompt_tokens)
                        for j, take in plan.chunks if take >= j.remaining)  # prompts this step finishes
             ms = self.model.step_ms(len(plan.decode), sum(j.context for j in plan.decode),
-                                    sum(t for _, t in plan.chunks), others, loop + work)
+                                    sum(t for _, t in plan.chunks), others, loop + work, self._load)
             e.busy = True
             self._push(self.now + ms, "step", (e, plan))
 

@@ -18,7 +18,7 @@ contention implies, `cores` from the profile's machine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,12 +75,23 @@ class StepModel:
     token_overhead_disaggregated_ms = property(lambda self: self.disaggregated.token_ms)
 
     def step_ms(self, batch: int, context: int, prefill_tokens: int, others_busy: int = 0,
-                loop_ms: float = 0.0) -> float:
-        """One engine step, plus `loop_ms` of its worker loop's own work (see bench.plan.des)."""
+                loop_ms: float = 0.0, load: float = 0.0) -> float:
+        """One engine step, plus `loop_ms` of its worker loop's own work (see bench.plan.des);
+        `load`: cores' worth of CPU the serving processes use meanwhile (see `stretch`)."""
         fixed = max(self.decode_fixed_ms if batch else 0.0, self.prefill_fixed_ms if prefill_tokens else 0.0)
         ms = fixed + self.decode_ms_per_seq * batch + self.decode_ms_per_ctx * context \
             + self.prefill_ms_per_token * prefill_tokens + loop_ms
-        return ms * (1.0 + self.contention * others_busy)
+        return ms * self.stretch(others_busy, load)
+
+    def stretch(self, others_busy: int, load: float = 0.0) -> float:
+        """How much longer a step runs with `others_busy` other engines stepping and `load` cores of
+        serving work (coordinator, client) beside it: the measured engine-against-engine contention,
+        or, where more is running than the machine has cores, their share of the cores (every
+        process on them alike), whichever is more."""
+        stretch = 1.0 + self.contention * others_busy
+        if self.cores > 0 and load > 0:
+            stretch = max(stretch, (others_busy + 1 + load) / self.cores)
+        return stretch
 
     def prefill_ms(self, tokens: int) -> float:
         """One prompt's prefill alone in one step (what the profile measured)."""
@@ -109,13 +120,18 @@ def from_profile(profile: dict, contention: float | None = None) -> StepModel:
         contention = float(f.get("contention") or 0.0)
     d0, ds, dc = _decode_fit(profile.get("decode", []), f)
     cores = (profile.get("machine") or {}).get("cores") or {}
+    paths = {kind: from_fits(f, kind) for kind in ("colocated", "disaggregated")}
+    for kind, path in paths.items():  # profiles that measured it before the fits carried it
+        cpu = ((profile.get("serving") or {}).get(kind) or {}).get("process_cpu_ms_per_request")
+        if not path.cpu_ms and cpu:
+            paths[kind] = replace(path, cpu_ms=float(cpu))
     pos = lambda x: max(0.0, float(x))  # noqa: E731  (noise can fit a negative slope)
     return StepModel(pos(f["prefill_fixed_ms"]), pos(f["prefill_ms_per_token"]), pos(d0), pos(ds), pos(dc),
                      pos(f["migration_fixed_ms"]), pos(f["migration_ms_per_byte"]),
                      float(f.get("kv_bytes_per_token") or 0.0),
                      int(profile.get("config", {}).get("block_size", 16)), contention,
-                     f.get("local_prefill_max_tokens"), from_fits(f, "colocated"),
-                     from_fits(f, "disaggregated"), int(cores.get("affinity") or cores.get("logical") or 0))
+                     f.get("local_prefill_max_tokens"), paths["colocated"], paths["disaggregated"],
+                     int(cores.get("affinity") or cores.get("logical") or 0))
 
 
 def synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.01, decode_fixed_ms=1.0,

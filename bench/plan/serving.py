@@ -38,6 +38,7 @@ class ServingPath:
     token_ms: float = 0.0              # every later token's interval
     cold_ms: float = 0.0               # a TTFT after the cluster idled long (see the module doc)
     cold_tau_ms: float = 0.0           # how fast an idle cluster goes cold
+    cpu_ms: float = 0.0                # CPU the serving processes (coordinator, client) spend per request
 
     def cold(self, idle_ms: float) -> float:
         if self.cold_ms <= 0 or idle_ms <= 0:
