@@ -6,6 +6,7 @@
 #   sweep (bench/kernels_sweep.py);
 # - `bench engine` on cuda in bf16: the 4-layer bench checkpoint, and a random checkpoint of
 #   SmolLM2-135M's shape (the GGUF file is too big to carry to a lent machine);
+# - decode steps as CUDA graphs against eager on SmolLM2's shape in bf16 (bench/decode_graphs.py);
 # - `bench migrate` between device pools.
 # Each stage has its own time limit, so one hang costs only its share. Everything lands in $OUT
 # (default out/gpu): one log and a JSON per benchmark. Run from the repository root:
@@ -38,7 +39,8 @@ fi
 torch.cuda.get_device_name())"; nproc; } 2>&1 | tee -a "$LOG"
 
 stage tests 150 $PY -m pytest -q -p no:cacheprovider -n 8 --timeout 120 tests/test_triton_attention.py \
-  tests/test_transfer_gpu.py "tests/test_engine.py::test_triton_backend_gives_the_same_greedy_tokens"
+  tests/test_transfer_gpu.py tests/test_cuda_graphs.py \
+  "tests/test_engine.py::test_triton_backend_gives_the_same_greedy_tokens"
 stage kernels 110 $PY -m pdserve_cli.main bench kernels --dtype bfloat16 --json "$OUT/kernels.json"
 stage sweep 120 $PY -m bench.kernels_sweep --json "$OUT/kernels_sweep.json"
 stage engine_tiny 60 $PY -m pdserve_cli.main bench engine --device cuda --dtype bfloat16 --preset long \
@@ -50,6 +52,8 @@ stage smol_checkpoint 40 $PY -c "from bench.engine import write_random_llama as 
 hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536)"
 stage engine_smol 90 $PY -m pdserve_cli.main bench engine --device cuda --dtype bfloat16 --preset long \
   --model "$SMOL" --max-batched-tokens 2048 --repeats 5 --json "$OUT/engine_smol_long.json"
+stage graphs_smol 90 $PY -m bench.decode_graphs --model "$SMOL" --dtype bfloat16 --batches 1,8,32,64 \
+  --context 512 --json "$OUT/decode_graphs_smol.json"
 stage migrate 100 $PY -m pdserve_cli.main bench migrate --device cuda --transports zmq-tcp,zmq-ipc \
   --kv-shape llama3-8b --tokens 256,2048,4096 --repeats 5 --json "$OUT/migrate_cuda.json"
-grep -E "^(=== |FAILED|ERROR)|passed|failed|tok/s|median ratio|identical|GB/s|speedup|kernel |T=" "$LOG" | tail -n 90
+grep -E "^(=== |FAILED|ERROR)|passed|failed|tok/s|median ratio|identical|GB/s|speedup|kernel |T=|eager " "$LOG" | tail -n 90

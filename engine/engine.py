@@ -7,7 +7,8 @@ past its attention for their rows alone), samples all of them at once, and repor
 per sequence. The same engine serves three roles: `colocated` (both phases, the baseline),
 `prefill` (stop after the first token and hold the blocks for export; `computed_blocks` tells,
 step by step, which blocks a long prompt has finished) and `decode` (take requests whose KV was
-imported and keep generating). Nothing here knows about transports, Ray or HTTP.
+imported and keep generating). On CUDA with the Triton backend, decode steps replay CUDA graphs
+(engine.cuda_graphs). Nothing here knows about transports, Ray or HTTP.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.attention import get_backend
 from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
 from engine.beam import beam_step, best_hypotheses
+from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import Completion, EngineConfig
 from engine.identity import model_identity
 from engine.logprobs import sample_rows
@@ -63,11 +65,23 @@ class LLMEngine:
             # now, not in the first request's first decode step
             layers = range(self.model_config.num_layers)
             self.workspace.mirror.warm([self.storage.layer_view(i) for i in layers])
+        self.graphs = self._capture_graphs()  # engine.cuda_graphs.DecodeGraphs, or None: eager
         self.requests: dict[str, Request] = {}
         self.prefilled: dict[str, Request] = {}  # prefill role: first token out, blocks held
         self.steps = 0
         self.last_step_prefill_tokens = 0  # prefill tokens the last step computed (0: decode only)
         self.current_step: tuple[float, int] | None = None  # (start, tokens) of the forward in progress
+
+    def _capture_graphs(self):
+        """Decode steps as CUDA graphs where they apply (CUDA, the Triton backend, cuda_graphs > 0);
+        None where they do not or capture failed (logged)."""
+        if self.config.cuda_graphs <= 0 or self.device.type != "cuda" or self.backend.name != "triton" \
+                or self.config.role == "prefill":  # a prefill engine runs no decode steps
+            return None
+        B = self.config.block_size
+        width = min(self.config.num_blocks, -(-self.model_config.max_position_embeddings // B))
+        graphs = DecodeGraphs(self.model, self.storage, B, width, self.config.cuda_graphs)
+        return graphs if graphs.capture_all() else None
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -179,10 +193,14 @@ class LLMEngine:
         meta.workspace, meta.seq_ids = self.workspace, [s.seq_id for _, s, _ in entries]
         if self.workspace.mirror is not None:  # sizes the mirror's slots
             meta.final_lens = [len(s.prompt_ids) + req.params.max_tokens for req, s, _ in entries]
+        bucket = None if self.graphs is None or len(rows) < len(ids) else self.graphs.bucket(meta)
         with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions, self.storage,
-                                        meta, rows if len(rows) < len(ids) else None)  # (R, hidden)
-            logits = self.model.compute_logits(hidden).float()  # (R, V)
+            if bucket is not None:  # a decode step: every row is ready, replayed from its graph
+                logits = self.graphs.run(torch.tensor(ids, device=self.device), meta, bucket)  # (R, V)
+            else:
+                hidden = self.model.forward(torch.tensor(ids, device=self.device), meta.positions,
+                                            self.storage, meta, rows if len(rows) < len(ids) else None)
+                logits = self.model.compute_logits(hidden).float()  # (R, V); hidden (R, hidden)
         for (_, s, _), n in zip(entries, seq_lens):
             self.kv.mark_computed(s.seq_id, n)
             s.num_computed = n

@@ -30,6 +30,8 @@ class EngineConfig:
                                      # 'gguf' (a GGUF model's own Q4_1/Q8_0 blocks; 'gguf-q8': with x
                                      # rounded to int8 blocks); decode rows read those bytes
                                      # (engine.weight_format)
+    cuda_graphs: int = 64            # CUDA, Triton backend: decode steps of up to this many sequences replay
+                                     # CUDA graphs captured per batch bucket (engine.cuda_graphs); 0: eager
     kv_shm: bool = False             # CPU pool in a /dev/shm file that same-node peers read (Ray prefill)
     role: str = "colocated"          # 'colocated', 'prefill' or 'decode'
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
