@@ -16,6 +16,8 @@ not qualify (f32 or int8 weights, no compiler).
 from __future__ import annotations
 
 import ctypes
+import threading
+import weakref
 
 import torch
 
@@ -69,8 +71,9 @@ class DecodeLayers:
         self.shape = dict(num_layers=c.num_layers, H=c.hidden_size, Hq=c.num_heads, Hkv=c.num_kv_heads,
                           D=c.head_dim, I=c.intermediate_size)
         self.eps, self.scale = c.rms_norm_eps, c.head_dim ** -0.5
-        self._pool: tuple | None = None  # (pool, its _Model, the layer table, data address): the last pool
+        self._pool: tuple | None = None  # (weakref to the pool, its _Model, the layer table, data address)
         self._scratch = torch.empty(0)
+        self._lock = threading.Lock()  # one scratch: engines sharing this model may step on two threads
 
     @staticmethod
     def build(model) -> DecodeLayers | None:
@@ -91,9 +94,11 @@ class DecodeLayers:
     def _model_for(self, kv) -> _Model:
         """The C model description over pool `kv` (rebuilt when another pool comes)."""
         k0, _ = kv.layer_view(0)
-        if self._pool is not None and self._pool[0] is kv and self._pool[3] == k0.data_ptr():
+        if self._pool is not None and self._pool[0]() is kv and self._pool[3] == k0.data_ptr():
             return self._pool[1]
         N, B = k0.shape[:2]
+        if k0.stride(3) != 1 or k0.stride(2) != self.shape["D"]:  # what store_kv and decode assume
+            raise ValueError(f"K/V views must be (N, B, Hkv, D) with contiguous heads; strides {k0.stride()}")
         table = (_Layer * len(self.model.layers))()
         for i, layer in enumerate(self.model.layers):
             k, v = kv.layer_view(i)
@@ -106,7 +111,7 @@ class DecodeLayers:
                               k.data_ptr(), v.data_ptr())
         desc = _Model(**self.shape, num_blocks=N, B=B, sN=k0.stride(0), sB=k0.stride(1), sH=k0.stride(2),
                       eps=self.eps, scale=self.scale, **self.fns, layers=table)
-        self._pool = (kv, desc, table, k0.data_ptr())  # the table lives as long as the description
+        self._pool = (weakref.ref(kv), desc, table, k0.data_ptr())  # the table lives as long as the desc
         return desc
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta) -> bool:
@@ -126,16 +131,17 @@ class DecodeLayers:
         if batch.block_size != k0.shape[1] or batch.max_block >= k0.shape[0] or batch.lens.shape != (T,):
             raise ValueError(f"the decode batch (blocks of {batch.block_size}, block {batch.max_block}) does "
                              f"not fit the pool ({k0.shape[0]} x {k0.shape[1]})")
-        desc = self._model_for(kv)
-        need = self.lib.pd_decode_scratch(ctypes.byref(desc), T)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
-        tables = batch.tables
-        args = _Step(T, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                     plan.slot_blocks.data_ptr(), plan.slot_offsets.data_ptr(), tables.data_ptr(),
-                     tables.stride(0), batch.lens.data_ptr(), self._scratch.data_ptr(),
-                     torch.get_num_threads())
-        code = self.lib.pd_decode_layers(ctypes.byref(desc), ctypes.byref(args))
+        with self._lock:
+            desc = self._model_for(kv)
+            need = self.lib.pd_decode_scratch(ctypes.byref(desc), T)
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need)
+            tables = batch.tables
+            args = _Step(T, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                         plan.slot_blocks.data_ptr(), plan.slot_offsets.data_ptr(), tables.data_ptr(),
+                         tables.stride(0), batch.lens.data_ptr(), self._scratch.data_ptr(),
+                         torch.get_num_threads())
+            code = self.lib.pd_decode_layers(ctypes.byref(desc), ctypes.byref(args))
         if code:
             place = {1: "storing K/V (a slot outside the pool)", 2: "the attention kernel", 3: "a projection"}
             raise RuntimeError(f"decode layers failed in {place.get(code // 10, '?')} (code {code})")

@@ -59,6 +59,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> (b, V) float32 written by its graph
         self.replays = 0                           # steps served by a graph (or the static path)
+        self._tables: dict = {}                    # the rotary tables the graphs captured
 
     def _meta(self, b: int) -> AttentionMetadata:
         """Metadata over the static buffers' first b rows. Its host lists only describe the shapes
@@ -86,6 +87,9 @@ class DecodeGraphs:
                 # the rotary tables, and every kernel compiled, before any capture
                 self.model.rotary.tables(self.positions[:1], self.model.embed_tokens.weight.dtype,
                                          self.W * self.B - 1)
+                # the graphs read these tables by address: held here, they outlive a later, longer
+                # table the rotary cache may build for another engine sharing the model
+                self._tables = dict(self.model.rotary._tables)
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):

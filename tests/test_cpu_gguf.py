@@ -304,6 +304,22 @@ def test_q8_rounding_is_torchs():
     assert q.abs().max() <= 127
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_q8_non_finite_x_gives_nan_rows_not_garbage(qtype, bad):
+    """A row of x holding inf or nan comes out nan (as the float32 path's would), the other rows
+    as without it: the kernel never converts a non-finite value to an int8 code."""
+    w = random_blocks(qtype, 40, 4, seed=11)
+    x = torch.randn(3, 128)
+    want = cpu_gguf.gemv(x, w, qtype, act="q8")
+    x[1, 70] = bad
+    got = cpu_gguf.gemv(x, w, qtype, act="q8")
+    assert torch.isnan(got[1]).all()
+    assert torch.equal(got[[0, 2]], want[[0, 2]])
+    q, d = cpu_gguf.quantize_q8(x)
+    assert torch.isnan(d[1, 2]) and not q[1, 64:96].any()
+
+
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "icelake-server"])  # plain C; maddubs; VNNI
 def test_q8_other_instruction_sets(march, tmp_path, monkeypatch):
     import platform

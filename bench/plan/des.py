@@ -108,7 +108,8 @@ class Simulation:
         # per-token serving cost, measured at batch 1 where one iteration is one token
         self._loop_ms = model.serving("colocated" if config.colocated else "disaggregated").token_ms
         # the serving processes' CPU beside the engines, in cores: the workload's mean arrival rate
-        # times the CPU the profile measured per request (StepModel.stretch)
+        # times the CPU the profile measured per request (StepModel.stretch); requests that all
+        # arrive at once have no rate, and no stretch
         arrivals = sorted(r.arrival_s for r in reqs)
         span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
         rate = (len(arrivals) - 1) / span if span > 0 else 0.0

@@ -121,7 +121,8 @@ def from_profile(profile: dict, contention: float | None = None) -> StepModel:
     d0, ds, dc = _decode_fit(profile.get("decode", []), f)
     cores = (profile.get("machine") or {}).get("cores") or {}
     paths = {kind: from_fits(f, kind) for kind in ("colocated", "disaggregated")}
-    for kind, path in paths.items():  # profiles that measured it before the fits carried it
+    for kind, path in paths.items():  # profiles without the loaded phase: the sequential coordinator
+        # CPU per request, an overstatement (no batching) that leaves out the client's
         cpu = ((profile.get("serving") or {}).get(kind) or {}).get("process_cpu_ms_per_request")
         if not path.cpu_ms and cpu:
             paths[kind] = replace(path, cpu_ms=float(cpu))

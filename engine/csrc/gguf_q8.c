@@ -53,7 +53,13 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
         float amax = 0.0f;
         for (int k = 0; k < QK; k++) {
             float a = xb[k] < 0 ? -xb[k] : xb[k];
-            amax = a > amax ? a : amax;
+            amax = a > amax || a != a ? a : amax; /* a nan sticks */
+        }
+        if (!(amax <= 3.4028235e38f)) { /* inf or nan in x: codes 0, scales nan, so y is nan, as the
+                                         * float path gives (converting them to int is undefined) */
+            memset(q + b * QK, 0, QK);
+            dx[b] = sx[b] = amax - amax;
+            continue;
         }
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
