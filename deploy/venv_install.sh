@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the project (editable, with its dev extra) into the virtual environment whose python is
+# $1, with torch pinned through constraints.txt. uv does it in seconds where pip takes over a
+# minute (pip byte-compiles every installed module, and resolves one request at a time); uv is
+# given pip's own configured indexes and find-links and `--index-strategy unsafe-best-match`, so it
+# picks the same versions pip would. Where uv cannot be installed or fails, pip does the install.
+# Usage: deploy/venv_install.sh .venv/bin/python   (the Makefile's install step)
+set -uo pipefail
+PY=$1
+BIN=$(dirname "$PY")
+cd "$(dirname "$0")/.."
+
+pip_config() { "$PY" -m pip config get "global.$1" 2>/dev/null || true; }
+
+if "$PY" -m pip install -q uv >/dev/null 2>&1 && [ -x "$BIN/uv" ]; then
+  args=(--index-strategy unsafe-best-match)
+  index=$(pip_config index-url)
+  [ -n "$index" ] && args+=(--index-url "$index")
+  for url in $(pip_config extra-index-url); do args+=(--extra-index-url "$url"); done
+  for dir in $(pip_config find-links); do args+=(--find-links "$dir"); done
+  if "$BIN/uv" pip install -q --python "$PY" "${args[@]}" -c constraints.txt -e '.[dev]'; then
+    exit 0
+  fi
+  echo "uv could not install the project; pip does" >&2
+fi
+"$PY" -m pip install -q --upgrade pip
+exec "$PY" -m pip install -q -c constraints.txt -e '.[dev]'
