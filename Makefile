@@ -30,7 +30,8 @@ test: $(STAMP)
 	# Triton runs interpreted (TRITON_INTERPRET=1) only where there is no CUDA; on a GPU it compiles.
 	# Three pytest workers (PYTEST_WORKERS) on two cores, each taking whole test files (--dist loadfile), so a
 	# module's cluster fixture starts once: most tests wait on Ray, sockets and timeouts, not on the CPU, and a
-	# third worker fills that waiting (2026-12-02, this machine: the suite in 6:20 against 9:15 with two).
+	# third worker fills that waiting (2026-12-02: 6:20 against 9:15 with two on the Intel machine; 8:51-9:36 with three on
+	# a fresh AMD EPYC one, where four took 10:01 and failed a test).
 	TRITON_INTERPRET=$$($(BIN)/python -c 'import torch; print(0 if torch.cuda.is_available() else 1)') \
 		$(BIN)/python -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
