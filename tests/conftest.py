@@ -64,21 +64,7 @@ def http_server(http_loop):
     yield from serve_local(http_loop)
 
 
-# The heaviest test files, heaviest first (summed test time per file in a `make test` run on a
-# fresh machine, 2026-12-02: 173 s down to 42 s). pytest-xdist's --dist loadfile hands out files in
-# collection order, so a heavy file collected late ran alone at the end while the other workers
-# idled; collected first, the light files fill in around them.
-HEAVY_FIRST = ("test_netns_cluster", "test_cluster_faults", "test_stream_failover", "test_recorded_traffic",
-               "test_cluster", "test_default_model", "test_bench_chaos", "test_cluster_restart",
-               "test_multinode", "test_cluster_more", "test_http_flood", "test_cluster_colocated",
-               "test_drain_scale", "test_transfer_bench", "test_channel_conformance", "test_cluster_ledger",
-               "test_cluster_plant", "test_cluster_burst", "test_cluster_restart_budget", "test_gguf")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    # stable: a file's tests stay together and in order, the other files keep theirs
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
