@@ -112,7 +112,7 @@ def kill(srv: ClusterServer, name: str) -> None:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read
             return True
     until(gone, f"{name} to die")
 
