@@ -199,7 +199,8 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
     `report['serving']`, `report['contention']` and the fits the planner reads."""
     from bench.plan.model import from_profile
     from bench.plan.serving import ServingPath
-    from bench.profile_serving import KINDS, measure_contention, measure_serving
+    from bench.profile_contention import measure_contention
+    from bench.profile_serving import KINDS, measure_serving
 
     log("contention (two engines stepping at once) ...")
     report["contention"] = measure_contention(cfg, log)
