@@ -21,11 +21,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import glob
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -41,6 +44,23 @@ LOCK = os.path.join(tempfile.gettempdir(), "pdserve-netns.lock")
 # within seconds; a cut of 3 s (2 failed checks) still leaves the node alive.
 HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
                     "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "4"}
+
+
+def free_port(ip: str) -> int:
+    """A port free on `ip` now, below the kernel's ephemeral range (so no outgoing connection of
+    another process takes it before Ray binds it; only another explicit choice still could)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+                return port
+            except OSError:
+                continue
+    raise HarnessError(f"no free port in 20000..{low} on {ip}")
 
 
 @dataclass(frozen=True)
@@ -189,19 +209,35 @@ class NetnsCluster:
         return proc
 
     def _start_head(self) -> None:
-        self.port = 20000 + int(self.tag, 16) % 20000
+        self.port = free_port(self.head_ip)
         cmd = [RAY, "start", "--head", "--node-ip-address", self.head_ip, "--port", str(self.port),
                "--include-dashboard", "false",
                *self._ray_args(os.path.join(self.dir, "head"), self.head_cpus, {})]
         self._spawn(cmd, "head", HEALTH_CHECK_ENV)
 
-    def _wait_head(self) -> None:
-        """Until the head says it started (bounded); the nodes join it only then."""
+    def _wait_head(self, tries: int = 3) -> None:
+        """Until the head says it started (bounded); the nodes join it only then. A head whose GCS
+        port was taken between `free_port` and its bind (another test's process) starts again on
+        another port, up to `tries` times."""
         end = time.monotonic() + self.start_timeout_s
         while "Ray runtime started" not in self.logs():
-            if time.monotonic() > end or self.procs[0].poll() is not None:
+            exited = self.procs[0].poll() is not None
+            if tries > 1 and self._gcs_port_taken():  # Ray's head itself waits ~40 s to give up
+                with contextlib.suppress(ProcessLookupError):  # what the failed head left in its group
+                    os.killpg(self.procs.pop(0).pid, signal.SIGKILL)
+                shutil.rmtree(os.path.join(self.dir, "head"), ignore_errors=True)
+                self._start_head()  # procs held only the head: the nodes start after it
+                return self._wait_head(tries - 1)
+            if time.monotonic() > end or exited:
                 raise HarnessError(f"the Ray head did not start: {self.logs()}")
             time.sleep(0.1)
+
+    def _gcs_port_taken(self) -> bool:
+        for path in glob.glob(os.path.join(self.dir, "head", "session_*", "logs", "gcs_server.*")):
+            with open(path, errors="replace") as f:
+                if "Failed to start the grpc server" in f.read():
+                    return True
+        return False
 
     def _start_node(self, i: int, spec: NodeSpec) -> None:
         ray = " ".join(shlex.quote(a) for a in [
