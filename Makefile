@@ -32,7 +32,10 @@ test: $(STAMP)
 	# module's cluster fixture starts once: most tests wait on Ray, sockets and timeouts, not on the CPU, and a
 	# third worker fills that waiting (2026-12-02: 6:20 against 9:15 with two on the Intel machine; 8:51-9:36 with three on
 	# a fresh AMD EPYC one, where four took 10:01 and failed a test).
-	TRITON_INTERPRET=$$($(BIN)/python -c 'import torch; print(0 if torch.cuda.is_available() else 1)') \
+	# PYTHONDONTWRITEBYTECODE is emptied for the run (these machines set it): the hundreds of Ray worker and
+	# CLI processes the suite starts then read the project's compiled modules instead of compiling each
+	# again (0.2-0.25 s a process), and pytest keeps its rewritten test modules (__pycache__ is git-ignored).
+	PYTHONDONTWRITEBYTECODE= TRITON_INTERPRET=$$($(BIN)/python -c 'import torch; print(0 if torch.cuda.is_available() else 1)') \
 		$(BIN)/python -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 lint: $(STAMP)

@@ -1,7 +1,7 @@
 """Read a Llama-family GGUF file (llama.cpp's single-file format) into what the loader expects:
 a Hugging Face style config dict, the weights as float32 arrays under Hugging Face names
-(`model.layers.0.self_attn.q_proj.weight`, ...), and the tokenizer's metadata. Quantized
-tensors are dequantized with the `gguf` package (numpy only), and the q/k projection rows that
+(`model.layers.0.self_attn.q_proj.weight`, ...), and the tokenizer's metadata. The file is read
+and quantized tensors are widened by engine.gguf_reader (numpy only), and the q/k projection rows that
 llama.cpp's converter permutes for its interleaved rotary layout are put back in the half-split
 order this engine and transformers use. `raw_blocks` gives the Q4_1/Q8_0 matrices' rows as
 stored (uint8, same names and row order) for `--weights gguf` and `gguf-q8`. `--model smollm2` names the
@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from importlib import metadata
 
 import numpy as np
+
+from engine.gguf_reader import GGUFContents, dequantize
 
 # Names `--model` accepts for a GGUF file shipped inside a Python package:
 # name -> (distribution, file inside it, pinned version the Makefile installs).
@@ -73,23 +75,20 @@ class GGUFFile:
     """One open GGUF file (memory-mapped; tensors are read when iterated)."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
+            self.contents = GGUFContents(path)
         except (ValueError, OSError) as e:
             raise GGUFError(f"{path} is not a readable GGUF file: {e}") from None
         self.architecture = self.field("general.architecture")
         if self.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             raise GGUFError(f"{path}: GGUF architecture {self.architecture!r} is unsupported; this "
                             f"engine runs {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-        self.tensor_names = [t.name for t in self.reader.tensors]
+        self.tensor_names = [t.name for t in self.contents.tensors]
 
     def field(self, key: str, default=None):
         """A metadata value (int, float, str, bool or list), or `default` when absent."""
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.contents.fields.get(key, default)
 
     def _arch(self, key: str, default=None):
         return self.field(f"{self.architecture}.{key}", default)
@@ -117,8 +116,8 @@ class GGUFFile:
             scaling = {"rope_type": "linear", "factor": float(self._required("rope.scaling.factor"))}
         elif kind != "none":
             raise GGUFError(f"{self.path}: rope scaling {kind!r} is unsupported")
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._arch("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = self._arch("vocab_size") or (len(tokens) if tokens is not None else None)
         if vocab is None:
             raise GGUFError(f"{self.path} states no vocabulary size")
         eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -142,10 +141,8 @@ class GGUFFile:
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(Hugging Face name, float32 array) for every tensor, dequantized one at a time. Names
         with no Hugging Face counterpart pass through unchanged (the loader reports them)."""
-        from gguf.quants import dequantize
-
         for t, name, heads in self._named():
-            array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy, writable
+            array = dequantize(t)  # a new array, writable
             yield name, (array if heads is None else unpermute_rows(array, heads))
 
     def raw_blocks(self, types: tuple[str, ...] = RAW_TYPES) -> dict[str, tuple[str, np.ndarray | None]]:
@@ -154,12 +151,12 @@ class GGUFFile:
         spans rows), for the types in `types`; None for the others (engine.weight_format)."""
         out: dict[str, tuple[str, np.ndarray | None]] = {}
         for t, name, heads in self._named():
-            qtype = t.tensor_type.name
-            if len(t.shape) != 2:
+            qtype = t.type_name
+            if len(t.dims) != 2:
                 continue
             rows = None
             if qtype in types:
-                rows = np.array(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)  # (N, bytes per row)
+                rows = np.array(t.data, dtype=np.uint8).reshape(int(t.dims[1]), -1)  # (N, bytes per row)
                 rows = rows if heads is None else unpermute_rows(rows, heads)
             out[name] = (qtype, rows)
         return out
@@ -169,7 +166,7 @@ class GGUFFile:
         Names with no Hugging Face counterpart pass through unchanged."""
         config = self.hf_config()
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-        for t in self.reader.tensors:
+        for t in self.contents.tensors:
             m = _BLOCK.match(t.name)
             if m is None:
                 stem, _, kind = t.name.rpartition(".")
