@@ -10,13 +10,11 @@ group's longest with the null block) are gathered once per layer into a reused w
 the queries attend with two batched matmuls and a softmax under a padding bias (for small GQA
 shapes all heads at once as rows, a head mask hiding the other kv heads); either way no query
 padding, and the cost follows the tokens attended within a bounded padding ratio, not batch x
-longest context. Prefill (more than one query): per sequence, causal scaled_dot_product_attention
-in blocks of queries, each against the keys up to its last query; when nothing was cached the
-keys are the step's own K/V (no pool read), otherwise the sequence's blocks (prefix-cache hit,
-or a later chunk of a chunked prefill), masked lower-right causally by views of one cached
-band. Decode masks, indices and slot block/offset come from the step's `TorchPlan`, built on
-the first layer. `forward` stores and attends; `store_kv` and `paged_attention` are the two
-halves (the Triton tests' reference).
+longest context. Prefill (more than one query) is engine.attn_torch_prefill's, per sequence;
+the gather buffers and the mirror live in the engine's engine.attn_workspace.Workspace. Decode
+masks, indices and slot block/offset come from the step's `TorchPlan`, built on the first layer.
+`forward` stores and attends; `store_kv` and `paged_attention` are the two halves (the Triton
+tests' reference).
 """
 
 from __future__ import annotations
@@ -25,57 +23,18 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine import cpu_attention, cpu_fused
 from engine.attn_metadata import (
     AttentionMetadata,
     DecodeGroup,
-    PrefillSequence,
     TorchPlan,
     build_torch_plan,
     int64_tensor,
 )
-from engine.attn_mirror import DecodeMirror, MirrorStep
-
-# Prefill attends in blocks of this many queries, each against the keys up to its last query
-# only: torch's CPU flash attention computes every key of a key block (up to 512 keys) for every
-# query, masked or causal alike, so one call per chunk also pays for the hidden upper triangle
-# (blocks take 11% off the prefill attention of the long bench preset's chunks, 19% off a fresh
-# 256-token chunk's, their extra calls included).
-PREFILL_QUERY_BLOCK = 64
-_bands: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # (dtype, device) -> causal band
-
-
-class Workspace:
-    """Per-engine state of the torch backend: scratch buffers for the K/V gathers, reused by every
-    layer and step and grown on demand (a fresh multi-megabyte tensor per gather costs page faults
-    that, on CPU, rival the attention arithmetic itself), and the decode mirror. Not thread-safe:
-    one per engine."""
-
-    def __init__(self, mirror: bool = True, kernel: bool = False) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.mirror = DecodeMirror() if mirror else None
-        self.kernel = kernel  # CPU float32 decode reads the pool in place (engine.cpu_attention)
-
-    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor of `shape` with `like`'s dtype and device (contents undefined)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._buffers[name] = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
-        return buf[:numel].view(shape)  # (*shape)
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspace | None,
-            name: str) -> torch.Tensor:
-    """cache (N, B, Hkv, D) rows `blocks` -> (n, B, Hkv, D), into the workspace when there is one."""
-    if workspace is None:
-        return cache.index_select(0, blocks)
-    out = workspace.take(name, (blocks.shape[0], *cache.shape[1:]), cache)
-    return torch.index_select(cache, 0, blocks, out=out)
+from engine.attn_mirror import MirrorStep
+from engine.attn_torch_prefill import prefill
+from engine.attn_workspace import Workspace, gather  # noqa: F401 (Workspace: the engine's import)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -216,7 +175,7 @@ def _attend(q, key, value, k_cache, v_cache, plan: TorchPlan, scale: float, work
             out.index_copy_(0, group.rows, o)
     for seq in plan.prefill:
         if last_rows is None or seq.end - 1 in last_rows:
-            _prefill(q, key, value, k_cache, v_cache, seq, scale, workspace, out, last_rows is not None)
+            prefill(q, key, value, k_cache, v_cache, seq, scale, workspace, out, last_rows is not None)
     return out
 
 
@@ -239,8 +198,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     n, Hq, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     L = group.width * B
-    k = _gather(k_cache, group.blocks, workspace, "key")  # (n * width, B, Hkv, D)
-    v = _gather(v_cache, group.blocks, workspace, "value")  # (n * width, B, Hkv, D)
+    k = gather(k_cache, group.blocks, workspace, "key")  # (n * width, B, Hkv, D)
+    v = gather(v_cache, group.blocks, workspace, "value")  # (n * width, B, Hkv, D)
     if heads_as_rows:  # keys ordered (token, head); the bias hides the other kv heads
         keys = k.view(n, L * Hkv, D).transpose(1, 2)  # (n, D, L Hkv)
         scores = torch.baddbmm(group.bias, q, keys, alpha=scale)  # (n, Hq, L Hkv)
@@ -255,47 +214,3 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # (n, G, L)
         outs.append(torch.bmm(probs, v[:, :, h]))  # (n, G, D)
     return torch.cat(outs, dim=1)  # (n, Hq, D)
-
-
-def _band(first: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(rows, first + rows) additive causal mask, 0 where key j is visible to the query at position
-    first + i (j <= first + i), else -inf: a view of a cached band, grown on demand."""
-    band = _bands.get((dtype, device))
-    width = -1 if band is None else band.shape[1] - PREFILL_QUERY_BLOCK
-    if width < first:
-        width = max(first, 2 * width, 1024)
-        cols = torch.arange(width + PREFILL_QUERY_BLOCK, device=device)  # (W + b,)
-        rows_at = width + torch.arange(PREFILL_QUERY_BLOCK, device=device)  # (b,)
-        hidden = cols[None, :] > rows_at[:, None]  # (b, W + b)
-        band = _bands[(dtype, device)] = torch.zeros(hidden.shape, dtype=dtype,
-                                                     device=device).masked_fill_(hidden, float("-inf"))
-    return band[:rows, width - first:width + rows]  # (rows, first + rows), row stride W + b
-
-
-def _prefill(q, key, value, k_cache, v_cache, seq: PrefillSequence, scale: float,
-             workspace: Workspace | None, out: torch.Tensor, last_only: bool = False) -> None:
-    """Causal attention of one sequence's new tokens into out[seq.start:seq.end] (Q, Hq, D), a
-    block of PREFILL_QUERY_BLOCK queries at a time against only the keys up to its last query.
-    last_only: only its last query (out[seq.end - 1])."""
-    Hq, Hkv = q.shape[1], k_cache.shape[2]
-    qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, Q, D)
-    if seq.context == 0 and key is not None:  # nothing cached: the step's own K/V are every key
-        ks = key[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, Q, D)
-        vs = value[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, Q, D)
-    else:
-        D = k_cache.shape[3]
-        ks = _gather(k_cache, seq.blocks, workspace, "key").view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
-        vs = _gather(v_cache, seq.blocks, workspace, "value").view(-1, Hkv, D)[:seq.seq_len]  # (L, Hkv, D)
-        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-    ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
-    Q = seq.end - seq.start
-    for first in range(Q - 1 if last_only else 0, Q, PREFILL_QUERY_BLOCK):
-        last = min(Q, first + PREFILL_QUERY_BLOCK)  # rows first..last-1 of the sequence
-        keys = seq.context + last  # keys up to the block's last query
-        causal = last - first > 1 and seq.context + first == 0  # a fresh prompt's first block
-        mask = None if causal or last - first == 1 else \
-            _band(seq.context + first, last - first, qs.dtype, qs.device)  # one query sees every key
-        o = F.scaled_dot_product_attention(qs[:, :, first:last], ks[:, :, :keys], vs[:, :, :keys],
-                                           attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=Hq != Hkv)  # (1, Hq, last - first, D)
-        out[seq.start + first:seq.start + last] = o[0].transpose(0, 1)  # (last - first, Hq, D)

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from engine import attn_torch
+from engine import attn_torch, attn_torch_prefill
 from engine.attn_metadata import AttentionMetadata
 from kvcache.storage import KVLayout, KVStorage
 
@@ -102,7 +102,7 @@ def test_long_prefills_attend_in_query_blocks():
     gen = torch.Generator().manual_seed(6)
     q, key, value = (torch.randn(sum(query_lens), h, 8, generator=gen) for h in (4, 2, 2))
     for attend in ("forward", "paged_attention"):
-        attn_torch._bands.clear()  # built for the first block, grown past 1024 keys for the last
+        attn_torch_prefill._bands.clear()  # built for the first block, grown past 1024 keys for the last
         meta = AttentionMetadata.build(tables, seq_lens, query_lens, B, null_block=storage.null_block_id)
         out = attn_torch.forward(q, key, value, k_cache, v_cache, meta, 0.3) if attend == "forward" else \
             attn_torch.paged_attention(q, k_cache, v_cache, meta, 0.3)

@@ -97,8 +97,16 @@ def test_reserve_admits_by_free_blocks_and_releases_on_abort(cluster):
     import ray
 
     h = cluster.backend.workers["decode-1"].handle
+    deadline = time.monotonic() + 20  # the earlier tests' sequences and credit gone from this pool
+    while True:
+        stats = ray.get(h.stats.remote(), timeout=30)
+        idle = stats["free_blocks"] + stats["cached_blocks"] == 8 and stats["reserved_blocks"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle, stats
     assert _command(h, Reserve("bp-a", 1, 41, 1)).granted is True
-    assert _command(h, Reserve("bp-b", 1, 41, 1)).granted is True
+    assert _command(h, Reserve("bp-b", 1, 41, 1)).granted is True, ray.get(h.stats.remote(), timeout=30)
     assert _command(h, Reserve("bp-c", 1, 41, 1)).granted is False
     assert _command(h, Reserve("bp-d", 1, 10, 2)).granted is False  # 2 x (1 + 1) blocks
     _command(h, Abort("bp-a"))
