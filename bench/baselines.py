@@ -24,6 +24,9 @@ Each is made as well as its kind allows, so a ratio against it means something:
   `{"gb_per_s": None, "note": "nixl not installed"}`; any failure in it is reported as a note,
   never raised. Its processes and agents are made once per benchmark and reused for every size.
   It lives in bench.baselines_nixl and is re-exported here.
+- nixl_xxh3: the same WRITE with the integrity work every pdserve path does, timed: xxh3 of the
+  payload before it on the initiator and after it on the target (the ratio against it is what
+  the nixl channel costs beyond moving and checking bytes).
 - pinned_d2h / pinned_h2d: with device pools (`bench migrate --device cuda`), one copy of the
   payload between device memory and a pinned host buffer each way: every host-staged path
   crosses the bus twice, so these bound a device-to-device migration through the host.
@@ -259,6 +262,7 @@ class Baselines:
         else:
             rows.append({"name": "pickle_pipe", "bytes": n, "gb_per_s": None, "note": "skipped above 1 GiB"})
         rows.append({"name": "nixl", "bytes": n, **self.nixl.measure(n, reps)})
+        rows.append({"name": "nixl_xxh3", "bytes": n, **self.nixl.measure(n, reps, hashed=True)})
         if self.device != "cpu":
             rows += [{"name": f"pinned_{way}", "bytes": n,
                       "gb_per_s": pinned_copy(n, self.device, way == "h2d", reps)} for way in ("d2h", "h2d")]

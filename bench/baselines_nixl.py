@@ -9,9 +9,13 @@ creating a UCX agent costs about a second here, and the benchmark measures every
 are made as the nixl channel makes them (`transfer.nixl_api._new_agent`): NIXL's own progress
 thread spins a core per agent, which kept alive through the benchmark starved everything else. Timed per
 WRITE from `transfer` to DONE (handles are prepared untimed, as nixl users do); after the repeats
-the target's buffer is checked against the payload (xxh3), untimed. The two processes speak msgpack
-maps over a pipe (`send_bytes`: nothing pickled). Any failure is reported as a note, never raised.
-`nixl(nbytes, repeats)` is one size with a baseline of its own. Re-exported by bench.baselines.
+the target's buffer is checked against the payload (xxh3), untimed. `hashed=True` (the `nixl_xxh3`
+row) times the integrity work every pdserve path does around the same WRITE: xxh3 of the payload
+by the initiator before it, and by the target after DONE (its digest, asked over the pipe and
+compared), both single-threaded and serial with the WRITE, as the simplest well-made way. The two
+processes speak msgpack maps over a pipe (`send_bytes`: nothing pickled). Any failure is reported
+as a note, never raised. `nixl(nbytes, repeats)` is one size with a baseline of its own.
+Re-exported by bench.baselines.
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ class NixlBaseline:
         self.agent = _new_agent(_api, NIXL_INITIATOR)
         _recv(self.conn, "ready")
 
-    def measure(self, nbytes: int, repeats: int = 5) -> dict:
-        """{"gb_per_s", "verified", "note"} or {"gb_per_s": None, "note": why}; never raises."""
+    def measure(self, nbytes: int, repeats: int = 5, hashed: bool = False) -> dict:
+        """{"gb_per_s", "verified", "note"} or {"gb_per_s": None, "note": why}; never raises.
+        hashed: both ends hash the payload, timed (see the module docstring)."""
         try:
             import nixl  # noqa: F401
         except ImportError:
@@ -115,24 +120,31 @@ class NixlBaseline:
             self.remote_name = agent.add_remote_agent(answer["meta"])
             remote = agent.deserialize_descs(answer["descs"])
             local = agent.get_xfer_descs(src)
-            times = []
+            times, want = [], xxhash.xxh3_64_intdigest(src.numpy())
             for i in range(1 + repeats):  # the first is an untimed warm-up (connection setup)
                 handle = agent.initialize_xfer("WRITE", local, remote, self.remote_name, f"x{i}".encode())
                 t0 = time.perf_counter()
+                if hashed and xxhash.xxh3_64_intdigest(src.numpy()) != want:
+                    raise RuntimeError("the payload changed under the benchmark")
                 state = agent.transfer(handle)
                 deadline = time.monotonic() + 60
                 while state != "DONE":
                     if state == "ERR" or time.monotonic() > deadline:
                         raise RuntimeError(f"nixl transfer state {state}")
                     state = agent.check_xfer_state(handle)
+                if hashed:
+                    _send(self.conn, op="digest")
+                    if _recv(self.conn, "digest")["value"] != want:
+                        raise RuntimeError("nixl transfer did not deliver the bytes")
                 if i > 0:
                     times.append(time.perf_counter() - t0)
                 agent.release_xfer_handle(handle)
             _send(self.conn, op="digest")
-            if _recv(self.conn, "digest")["value"] != xxhash.xxh3_64_intdigest(src.numpy()):
+            if _recv(self.conn, "digest")["value"] != want:
                 raise RuntimeError("nixl transfer did not deliver the bytes")
             return {"gb_per_s": nbytes / statistics.median(times) / 1e9, "verified": True,
-                    "note": "UCX, initiator and target agents in two processes"}
+                    "note": "UCX, initiator and target agents in two processes"
+                            + (", xxh3 of the payload on both ends" if hashed else "")}
         except Exception as e:  # an optional peer library: report, do not fail the benchmark
             note = f"nixl failed: {type(e).__name__}: {e}"[:300]
             if self.remote_name is None:  # it never worked: every later size says why

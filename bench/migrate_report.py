@@ -4,7 +4,8 @@
 The summary (`summarize`) holds, per transport:
 - `largest`: GB/s at its largest payload, and `vs_<baseline>` ratios against the baselines
   measured at that same size: raw_tcp (a well-made two-process socket), raw_tcp_xxh3 (the same,
-  hashing every piece on both ends), ray_put_get, nixl (when measured), memcpy, pickle_pipe (None
+  hashing every piece on both ends), ray_put_get, nixl and nixl_xxh3 (the same, hashing the
+  payload on both ends; when measured), memcpy, pickle_pipe (None
   where the baseline was not measured);
 - `fixed_overhead_ms`: the per-transfer fixed cost, as the intercept of a least-squares fit of p50
   latency against payload bytes over the small points (every point of at most 1 MiB; if those
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-RATIO_BASELINES = ("raw_tcp", "raw_tcp_xxh3", "ray_put_get", "nixl", "memcpy", "pickle_pipe")
+RATIO_BASELINES = ("raw_tcp", "raw_tcp_xxh3", "ray_put_get", "nixl", "nixl_xxh3", "memcpy", "pickle_pipe")
 DEVICE_BASELINES = ("pinned_d2h", "pinned_h2d")  # only in runs with device pools
 FIT_MAX_BYTES = 1 << 20
 
