@@ -66,7 +66,7 @@ class AttentionMetadata:
         self.positions = int64_tensor(positions, device)  # (T,)
         self.slot_mapping = int64_tensor(slots, device)  # (T,)
         self.torch_plan: TorchPlan | None = None  # engine.attn_torch's per-step plan, built on first use
-        self.workspace = None                     # engine.attn_torch.Workspace the engine reuses, if any
+        self.workspace = None                     # engine.attn_workspace.Workspace the engine reuses, if any
         self.seq_ids: list | None = None          # the engine's sequence ids (lets the decode mirror
                                                   # follow a sequence from step to step)
         self.final_lens: list[int] | None = None  # longest each sequence can get (sizes the mirror)

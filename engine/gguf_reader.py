@@ -10,6 +10,7 @@ float32, d * q + m rounds once, at the addition, in both), and hands other types
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"GGUF"
+MAX_DIMS = 4      # ggml's GGML_MAX_DIMS
+MAX_NESTING = 8   # arrays of arrays: deeper is refused, not recursed into
 # GGUF metadata value types -> struct format (8: string, 9: array are read apart)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -34,7 +37,7 @@ class Tensor:
     name: str
     type_name: str          # ggml type: "F32", "Q4_1", ...
     dims: tuple[int, ...]   # as stored: fastest-varying first (dims[0] is a row's length)
-    data: np.ndarray        # read-only view: plain types (dims reversed); block types uint8 (rows, row bytes)
+    data: np.ndarray        # read-only view: plain types (dims reversed); block types uint8 (..., row bytes)
 
 
 class GGUFContents:
@@ -49,6 +52,18 @@ class GGUFContents:
             except ValueError as e:  # an empty file
                 raise GGUFFormatError(f"cannot map the file: {e}") from None
         self._buf, self._pos = memoryview(self._map), 0
+        try:
+            self._parse(GGML_QUANT_SIZES, GGMLQuantizationType)
+        except BaseException:
+            self.tensors = []
+            try:
+                self._buf.release()
+                self._map.close()
+            except BufferError:  # a tensor viewed before the error still holds the map: GC closes it
+                pass
+            raise
+
+    def _parse(self, GGML_QUANT_SIZES, GGMLQuantizationType) -> None:  # noqa: N803 (the gguf names)
         buf = self._buf
         if bytes(buf[:4]) != MAGIC:
             raise GGUFFormatError(f"no GGUF magic (starts with {bytes(buf[:4])!r})")
@@ -60,15 +75,24 @@ class GGUFContents:
         for _ in range(n_fields):
             key = self._string()
             (kind,) = self._unpack("<I", 4)
+            if key in self.fields:
+                raise GGUFFormatError(f"metadata key {key!r} appears twice")
             self.fields[key] = self._value(kind)
-        infos = []
+        infos, names = [], set()
         for _ in range(n_tensors):
             name = self._string()
             (n_dims,) = self._unpack("<I", 4)
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} are valid)")
             dims = self._unpack(f"<{n_dims}Q", 8 * n_dims)
             kind, offset = self._unpack("<IQ", 12)
+            if name in names:
+                raise GGUFFormatError(f"tensor {name!r} appears twice")
+            names.add(name)
             infos.append((name, dims, kind, offset))
-        align = int(self.fields.get("general.alignment", 32))
+        align = self.fields.get("general.alignment", 32)
+        if type(align) is not int or align <= 0 or align & (align - 1):
+            raise GGUFFormatError(f"general.alignment {align!r} is not a power of two")
         start = -(-self._pos // align) * align
         self.tensors: list[Tensor] = []
         for name, dims, kind, offset in infos:
@@ -77,7 +101,7 @@ class GGUFContents:
             except ValueError:
                 raise GGUFFormatError(f"tensor {name!r} has an unknown ggml type {kind}") from None
             block, nbytes = GGML_QUANT_SIZES[qtype]
-            count = int(np.prod(dims, dtype=np.int64))
+            count = math.prod(dims)
             shape = tuple(reversed(dims))
             plain = _PLAIN.get(qtype.name)
             if plain is None:  # rows of blocks, as bytes
@@ -112,10 +136,12 @@ class GGUFContents:
         except UnicodeDecodeError as e:
             raise GGUFFormatError(f"a metadata string is not UTF-8: {e}") from None
 
-    def _value(self, kind: int):
+    def _value(self, kind: int, depth: int = 0):
         if kind == 8:
             return self._string()
         if kind == 9:
+            if depth >= MAX_NESTING:
+                raise GGUFFormatError(f"metadata arrays nested deeper than {MAX_NESTING}")
             item, count = self._unpack("<IQ", 12)
             if item == 8:
                 return [self._string() for _ in range(count)]
@@ -126,7 +152,7 @@ class GGUFContents:
                 out = np.frombuffer(self._buf, _NUMPY[item], count, self._pos).tolist()
                 self._pos += size
                 return out
-            return [self._value(item) for _ in range(count)]  # arrays of arrays
+            return [self._value(item, depth + 1) for _ in range(count)]  # arrays of arrays
         if kind not in _SCALARS:
             raise GGUFFormatError(f"unknown metadata value type {kind}")
         fmt = "<" + _SCALARS[kind]

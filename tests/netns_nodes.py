@@ -46,21 +46,23 @@ HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_che
                     "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "4"}
 
 
-def free_port(ip: str) -> int:
-    """A port free on `ip` now, below the kernel's ephemeral range (so no outgoing connection of
-    another process takes it before Ray binds it; only another explicit choice still could)."""
+def free_port() -> int:
+    """A port free on every address now, outside the kernel's ephemeral range (so no outgoing
+    connection of another process takes it before Ray binds it; only another explicit choice
+    still could): below it when it leaves room there, else above it."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
+        low, high = map(int, f.read().split())
+    first, last = (10000, low) if low > 11000 else (high + 1, 65536)
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, max(low, 20001))
+        port = rng.randrange(first, last)
         with socket.socket() as s:
             try:
-                s.bind((ip, port))
+                s.bind(("0.0.0.0", port))
                 return port
             except OSError:
                 continue
-    raise HarnessError(f"no free port in 20000..{low} on {ip}")
+    raise HarnessError(f"no free port in {first}..{last - 1}")
 
 
 @dataclass(frozen=True)
@@ -209,25 +211,28 @@ class NetnsCluster:
         return proc
 
     def _start_head(self) -> None:
-        self.port = free_port(self.head_ip)
+        self.port = free_port()
         cmd = [RAY, "start", "--head", "--node-ip-address", self.head_ip, "--port", str(self.port),
                "--include-dashboard", "false",
                *self._ray_args(os.path.join(self.dir, "head"), self.head_cpus, {})]
         self._spawn(cmd, "head", HEALTH_CHECK_ENV)
 
     def _wait_head(self, tries: int = 3) -> None:
-        """Until the head says it started (bounded); the nodes join it only then. A head whose GCS
-        port was taken between `free_port` and its bind (another test's process) starts again on
-        another port, up to `tries` times."""
+        """Until the head says it started (within start_timeout_s in all); the nodes join it only
+        then. A head whose GCS port was taken between `free_port` and its bind (another test's
+        process) starts again on another port, up to `tries` times."""
         end = time.monotonic() + self.start_timeout_s
         while "Ray runtime started" not in self.logs():
             exited = self.procs[0].poll() is not None
             if tries > 1 and self._gcs_port_taken():  # Ray's head itself waits ~40 s to give up
-                with contextlib.suppress(ProcessLookupError):  # what the failed head left in its group
-                    os.killpg(self.procs.pop(0).pid, signal.SIGKILL)
+                head = self.procs.pop(0)  # procs held only the head: the nodes start after it
+                with contextlib.suppress(ProcessLookupError):  # its group: `ray start` and its services
+                    os.killpg(head.pid, signal.SIGKILL)
+                head.wait(10)
                 shutil.rmtree(os.path.join(self.dir, "head"), ignore_errors=True)
-                self._start_head()  # procs held only the head: the nodes start after it
-                return self._wait_head(tries - 1)
+                self._start_head()
+                tries -= 1
+                continue
             if time.monotonic() > end or exited:
                 raise HarnessError(f"the Ray head did not start: {self.logs()}")
             time.sleep(0.1)

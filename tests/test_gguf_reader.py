@@ -104,3 +104,31 @@ def test_truncated_and_foreign_bytes_are_refused(tmp_path):
     bad.write_bytes(b"PK\x03\x04" + raw[4:])
     with pytest.raises(GGUFFormatError, match="magic"):
         GGUFContents(str(bad))
+
+
+@pytest.mark.parametrize("case", ["valid", "alignment 0", "alignment 3", "duplicate key", "duplicate tensor",
+                                  "no dims", "5 dims"])
+def test_malformed_layouts_are_refused(tmp_path, case):
+    """What GGUFReader refused (or crashed on) is a GGUFFormatError here, not a stray exception."""
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    fields, tensors = [], []
+    if case.startswith("alignment"):
+        fields.append(string("general.alignment") + struct.pack("<II", 4, int(case.split()[1])))
+    if case == "duplicate key":
+        fields += [string("k") + struct.pack("<II", 4, 1)] * 2
+    dims = {"no dims": [], "5 dims": [1] * 5}.get(case, [32])
+    tensors.append(string("t") + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, 0, 0))
+    if case == "duplicate tensor":
+        tensors.append(tensors[0])
+    raw = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(fields)) + b"".join(fields + tensors)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(raw + bytes(-len(raw) % 32) + bytes(4 * 32 * len(tensors)))
+    if case == "valid":  # the same bytes made well: they read
+        assert [(t.name, t.dims) for t in GGUFContents(str(path)).tensors] == [("t", (32,))]
+        return
+    with pytest.raises(GGUFFormatError):
+        GGUFContents(str(path))
