@@ -49,10 +49,11 @@ HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_che
 def free_port() -> int:
     """A port free on every address now, outside the kernel's ephemeral range (so no outgoing
     connection of another process takes it before Ray binds it; only another explicit choice
-    still could): below it when it leaves room there, else above it."""
+    still could) and above Ray's worker ports (10002-19999 by default, which Ray refuses to
+    share): between them when there is room, else above the ephemeral range."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low, high = map(int, f.read().split())
-    first, last = (10000, low) if low > 11000 else (high + 1, 65536)
+    first, last = (20000, low) if low > 21000 else (high + 1, 65536)
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(first, last)
