@@ -24,11 +24,9 @@ import fcntl
 import glob
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -36,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from netns_sys import RAY, HarnessError, kill, restore_env, sh, tree, unavailable  # noqa: F401
+from netns_sys import RAY, HarnessError, free_port, kill, restore_env, sh, tree, unavailable  # noqa: F401
 
 LOCK = os.path.join(tempfile.gettempdir(), "pdserve-netns.lock")
 # The head's GCS declares a silent node dead after ~4 failed 1 s health checks (Ray's defaults: 5
@@ -44,26 +42,6 @@ LOCK = os.path.join(tempfile.gettempdir(), "pdserve-netns.lock")
 # within seconds; a cut of 3 s (2 failed checks) still leaves the node alive.
 HEALTH_CHECK_ENV = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
                     "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "4"}
-
-
-def free_port() -> int:
-    """A port free on every address now, outside the kernel's ephemeral range (so no outgoing
-    connection of another process takes it before Ray binds it; only another explicit choice
-    still could) and above Ray's worker ports (10002-19999 by default, which Ray refuses to
-    share): between them when there is room, else above the ephemeral range."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low, high = map(int, f.read().split())
-    first, last = (20000, low) if low > 21000 else (high + 1, 65536)
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(first, last)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-                return port
-            except OSError:
-                continue
-    raise HarnessError(f"no free port in {first}..{last - 1}")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """Commands and processes for the namespaced-node harness (tests/netns_nodes.py): whether it can
 run here (`unavailable`), one bounded command (`sh`), a process and its descendants (`tree`, from
-/proc) and ending exactly the pids given (`kill`: SIGTERM, then SIGKILL after a bound), never by
-name. Test and bench code only.
+/proc), ending exactly the pids given (`kill`: SIGTERM, then SIGKILL after a bound), never by
+name, and a port for the Ray head (`free_port`). Test and bench code only.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,3 +93,21 @@ def restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
+def free_port() -> int:
+    """A port free on every address now, outside the kernel's ephemeral range (so no outgoing
+    connection of another process takes it before Ray binds it; only another explicit choice
+    still could) and above Ray's worker ports (10002-19999 by default, which Ray refuses to
+    share): between them when there is room, else above the ephemeral range."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    first, last = (20000, low) if low > 21000 else (high + 1, 65536)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(first, last)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise HarnessError(f"no free port in {first}..{last - 1}")
