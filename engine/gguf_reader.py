@@ -44,8 +44,6 @@ class GGUFContents:
     """The metadata (`fields`: key -> int, float, bool, str or list) and `tensors` of one file."""
 
     def __init__(self, path: str):
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
         with open(path, "rb") as f:
             try:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -53,7 +51,7 @@ class GGUFContents:
                 raise GGUFFormatError(f"cannot map the file: {e}") from None
         self._buf, self._pos = memoryview(self._map), 0
         try:
-            self._parse(GGML_QUANT_SIZES, GGMLQuantizationType)
+            self._parse()
         except BaseException:
             self.tensors = []
             try:
@@ -63,7 +61,9 @@ class GGUFContents:
                 pass
             raise
 
-    def _parse(self, GGML_QUANT_SIZES, GGMLQuantizationType) -> None:  # noqa: N803 (the gguf names)
+    def _parse(self) -> None:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
         buf = self._buf
         if bytes(buf[:4]) != MAGIC:
             raise GGUFFormatError(f"no GGUF magic (starts with {bytes(buf[:4])!r})")
