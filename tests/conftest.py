@@ -1,7 +1,7 @@
 """Shared test setup: hypothesis profiles (select with HYPOTHESIS_PROFILE), one torch thread,
-the `gpu` marker's skip when CUDA is absent, the cluster tests' module-scoped fixtures
-(a local Ray, the in-process reference engine) and the HTTP API tests' ones (an event loop on a
-thread, the coordinator's app over a tiny-model backend; see http_harness.py)."""
+the `gpu` marker's skip when CUDA is absent, the cluster tests' fixtures (a local Ray shared by
+the modules of one pytest process, the in-process reference engine) and the HTTP API tests' ones
+(an event loop on a thread, the coordinator's app over a tiny-model backend; see http_harness.py)."""
 
 import os
 
@@ -18,26 +18,75 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 torch.set_num_threads(1)
 
 
+class _SharedRay:
+    """One local Ray per pytest process, kept up from one module to the next that asks for the
+    same kind (a Ray start costs about 6 CPU-seconds; the suite used to pay it in every module).
+    Kinds: "loopback" is deploy.launch.start_ray's embedded Ray (what `pdserve up` runs);
+    "routable" is a plain `ray.init` on this host's routable address with a small object store.
+    A module marked `own_ray` starts its own Ray in this process, so the shared one is stopped first."""
+
+    kind: str | None = None
+
+    @classmethod
+    def ensure(cls, kind: str) -> None:
+        if cls.kind == kind and cls._idle():
+            return
+        cls.stop()
+        if kind == "loopback":
+            from deploy.launch import RayConfig, start_ray
+
+            start_ray(RayConfig(num_cpus=2))
+        else:
+            import ray
+
+            ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
+                     log_to_driver=False)
+        cls.kind = kind
+
+    @staticmethod
+    def _idle() -> bool:
+        """No CPU or GPU is held by what a previous module started (a failed test can leave an actor)."""
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        total, free = ray.cluster_resources(), ray.available_resources()
+        return all(free.get(k, 0.0) >= total.get(k, 0.0) for k in ("CPU", "GPU"))
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.kind == "loopback":
+            from deploy.launch import stop_ray
+
+            stop_ray(True)
+        elif cls.kind == "routable":
+            import ray
+
+            ray.shutdown()
+        cls.kind = None
+
+
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray for one test module (cluster tests), shut down afterwards if we started it."""
-    from deploy.launch import RayConfig, start_ray, stop_ray
-
-    started = start_ray(RayConfig(num_cpus=2))
+    """The embedded local Ray (loopback only) for a cluster test module, shared across modules."""
+    _SharedRay.ensure("loopback")
     yield
-    stop_ray(started)
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """A bare local Ray (small object store) for transport tests with their own actors."""
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    """A plain local Ray on the routable address (small object store), shared across modules."""
+    pytest.importorskip("ray")
+    _SharedRay.ensure("routable")
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray_module(request):
+    """Before a module that starts Ray itself (marker `own_ray`), stop the shared one."""
+    if request.node.get_closest_marker("own_ray") is not None:
+        _SharedRay.stop()
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +123,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Remove /dev/shm pool files of worker processes the tests killed (kvcache.shm_pool)."""
+    """Stop the shared Ray; remove /dev/shm pool files of worker processes the tests killed
+    (kvcache.shm_pool)."""
     from kvcache.shm_pool import shm_available, sweep_dead
+
+    _SharedRay.stop()
 
     if shm_available():
         sweep_dead()

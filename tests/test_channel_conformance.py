@@ -50,7 +50,7 @@ def rig(request):
         if not nixl_pool.available():
             pytest.skip("nixl is not installed (pip install 'pdserve[nixl]')")
     if name == "ray":
-        request.getfixturevalue("ray_session")  # one Ray for the module
+        request.getfixturevalue("ray_local")  # the shared local Ray
     r = Rig(name)
     try:
         yield r

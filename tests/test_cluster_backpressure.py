@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 import cluster_client as cc  # noqa: E402
 
 from coordinator.cluster import ClusterConfig  # noqa: E402
-from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray  # noqa: E402
+from deploy.launch import ClusterServer  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from protocol.codec import decode, encode  # noqa: E402
@@ -37,15 +37,13 @@ CONFIG = ClusterConfig(prefill=1, decode=2, num_blocks=128, decode_num_blocks=8,
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = start_ray(RayConfig(num_cpus=2))
+def cluster(ray_local):
     srv = ClusterServer(CONFIG)
     try:
         srv.start()
         yield srv
     finally:
         srv.stop()
-        stop_ray(started)
 
 
 def test_overload_waits_for_room_and_every_request_completes(cluster):

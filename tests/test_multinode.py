@@ -26,7 +26,7 @@ import cluster_client as cc  # noqa: E402
 
 from engine.sampling import SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.own_ray]  # joins its Ray nodes here (conftest)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [list(range(5, 30)), [9, 8, 7] * 11]
 GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}

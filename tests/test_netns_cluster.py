@@ -34,7 +34,8 @@ from engine.sampling import SamplingParams  # noqa: E402
 from transfer.nixl_pool import available as nixl_available  # noqa: E402
 
 WHY = netns_nodes.unavailable()
-pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(300),
+              pytest.mark.own_ray]  # joins its netns Ray nodes in this process (conftest)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [list(range(5, 40)), [9, 8, 7] * 11, [(j * 13) % 200 + 2 for j in range(30)]]
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}

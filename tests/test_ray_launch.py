@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.own_ray  # starts or joins Ray in this process (conftest)
+
 ray = pytest.importorskip("ray")
 
 OTHER = ("import ray, sys, time; ray.init(address='local', num_cpus=1, include_dashboard=False, "

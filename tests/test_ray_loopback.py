@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.own_ray  # starts or joins Ray in this process (conftest)
+
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 

@@ -27,7 +27,7 @@ def pool(block_size=16, head_dim=8):
     return make_manager(KVLayout(SHAPE[0], SHAPE[1], head_dim, block_size, "float16"), 64)
 
 
-def test_ray_dead_receiver_is_a_bounded_timeout(ray_session):
+def test_ray_dead_receiver_is_a_bounded_timeout(ray_local):
     src, recv = pool(16), actor(16)
     tx = RaySender(src.storage.layout.fingerprint(), recv, TransportConfig(checksum_mode="manifest"))
     tx.connect(timeout=60)

@@ -35,7 +35,7 @@ class NoPayloadCalls:
         return self._handle.kv.remote(conn, headers, *bodies)
 
 
-def test_same_node_payload_is_read_from_the_senders_pool(ray_session):
+def test_same_node_payload_is_read_from_the_senders_pool(ray_local):
     gen = torch.Generator().manual_seed(1)
     src = make_manager(KVLayout(*LAYOUT), 64, shm=True)
     assert src.storage.shm_path and os.path.exists(src.storage.shm_path)
@@ -60,7 +60,7 @@ def test_same_node_payload_is_read_from_the_senders_pool(ray_session):
     ray.kill(recv)
 
 
-def test_without_a_shared_pool_the_object_store_carries_the_payload(ray_session):
+def test_without_a_shared_pool_the_object_store_carries_the_payload(ray_local):
     gen = torch.Generator().manual_seed(2)
     src = make_manager(KVLayout(*LAYOUT), 64)
     recv = ray.remote(num_cpus=0.25)(PoolReceiver).remote(LAYOUT, 64)
