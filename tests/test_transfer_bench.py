@@ -12,6 +12,8 @@ from bench import baselines
 from bench.migrate_report import fit_overhead, format_summary, summarize
 from pdserve_cli.main import main
 
+pytestmark = pytest.mark.own_ray  # bench migrate starts Ray in this process (conftest)
+
 RESULT_KEYS = {"transport", "kv_shape", "tokens", "block_size", "bytes", "latency_ms_p50", "latency_ms_p99",
                "gb_per_s", "verified", "export_ms_p50", "wire_ms_p50", "import_ms_p50", "manifest_ratio"}
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "ray")
