@@ -61,7 +61,6 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)  # its last report or heartbeat
     dead: str | None = None
     progress: dict = field(default_factory=dict)   # its last Heartbeat's loop progress (runtime.heartbeat)
-    progress_at: float = 0.0                       # when that heartbeat arrived
 
     def alive(self, timeout: float) -> bool:
         """Its process heartbeats (within `timeout`) and its loop progresses (see `wedged`)."""
@@ -76,16 +75,19 @@ class WorkerState:
             return f"its loop failed ({self.stats['failed']})"
         if now - self.last_seen >= timeout:
             return f"no heartbeat for {now - self.last_seen:.1f}s"
-        return self.wedged(timeout, now)
+        return self.wedged(timeout)
 
-    def wedged(self, floor_s: float, now: float) -> str | None:
+    def wedged(self, floor_s: float) -> str | None:
         """Why its loop counts as wedged, or None. A busy loop is not a dead one: one iteration may
         run as long as WEDGE_FACTOR times what its current step should take at the step rate the
-        worker measured (a long prefill step on a slow machine), and never less than `floor_s`."""
+        worker measured (a long prefill step on a slow machine), and never less than `floor_s`.
+        Judged on what the last heartbeat said, not extrapolated from it: a late heartbeat means a
+        starved process (heartbeats stopping altogether are `why_not_alive`'s silence), and a loop
+        that is really stuck says so in the next one, one heartbeat period later."""
         p = self.progress
         if not p:
             return None
-        busy = p["busy_s"] + (now - self.progress_at)
+        busy = p["busy_s"]
         allowed = max(floor_s, WEDGE_FACTOR * p["step_expected_s"])
         if busy <= allowed:
             return None
@@ -95,8 +97,7 @@ class WorkerState:
 
     def beat(self, beat) -> None:
         """A Heartbeat from its heartbeat thread: the process is alive; record its loop's progress."""
-        now = time.monotonic()
-        self.last_seen, self.progress_at = now, now
+        self.last_seen = time.monotonic()
         self.progress = {"busy_s": beat.busy_s, "step_tokens": beat.step_tokens,
                          "step_expected_s": beat.step_expected_s}
         if not beat.loop_alive and self.dead is None:

@@ -269,9 +269,10 @@ class Heartbeat:
     is alive, and how far its loop is, so a coordinator tells a long step from a wedged loop.
 
     busy_s: how long the loop's current iteration has been running (a long engine step, or a loop
-    stuck somewhere); step_tokens: tokens of the engine step in progress (0: not in a step);
-    step_expected_s: what that step should take at the step rate this worker measured (0: unknown);
-    loop_alive: False once the loop thread has ended."""
+    stuck somewhere), less the time its thread waited for a CPU (runtime.cpu_wait); step_tokens:
+    tokens of the engine step in progress (0: not in a step); step_expected_s: what that step
+    should take at the step rate this worker measured (0: unknown); loop_alive: False once the
+    loop thread has ended."""
 
     worker: str
     loop_alive: bool

@@ -30,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from runtime.cpu_wait import ThreadWait
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,8 @@ class WorkerLoop:
         self._stop = threading.Event()
         self.failed: str | None = None
         self._last_emit = 0.0
-        self._iteration_start = time.monotonic()  # read by the heartbeat thread (progress)
+        self._iteration = (time.monotonic(), 0.0)  # (start, CPU wait then): read by progress()
+        self._cpu_wait: ThreadWait | None = None   # the loop thread's run-queue wait (runtime.cpu_wait)
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{config.name}-loop", daemon=True)
         self._thread.start()
@@ -96,12 +99,17 @@ class WorkerLoop:
         return self._thread.is_alive() and self.failed is None
 
     def progress(self) -> dict:
-        """How far the loop is, read from any thread (the fields of protocol.messages.Heartbeat)."""
+        """How far the loop is, read from any thread (the fields of protocol.messages.Heartbeat).
+        busy_s: how long the current iteration has run, less the time the loop thread waited for a
+        CPU meanwhile (starved by other processes, it is slow, not stuck)."""
         engine = self.handler.engine
         step = engine.current_step  # (start, tokens) of the forward in progress, or None
         tokens = step[1] if step else 0
         expected = engine.scheduler.pacer.expected_s(tokens) if tokens else None
-        return {"loop_alive": self.alive(), "busy_s": max(0.0, time.monotonic() - self._iteration_start),
+        start, waited = self._iteration
+        wait = self._cpu_wait
+        starved = wait.seconds() - waited if wait is not None else 0.0
+        return {"loop_alive": self.alive(), "busy_s": max(0.0, time.monotonic() - start - starved),
                 "step_tokens": tokens, "step_expected_s": expected or 0.0}
 
     def shutdown(self) -> None:
@@ -135,9 +143,10 @@ class WorkerLoop:
         handler, cfg = self.handler, self.config
         wait = getattr(handler, "wait", None)
         after = getattr(handler, "after_step", None)
+        wait_clock = self._cpu_wait = ThreadWait()
         try:
             while not self._stop.is_set():
-                self._iteration_start = time.monotonic()
+                self._iteration = (time.monotonic(), wait_clock.seconds())
                 events: list = []
                 busy = handler.engine.has_work()
                 if wait is not None:  # e.g. the decode role's KV receiver
@@ -166,6 +175,8 @@ class WorkerLoop:
             except Exception:  # the report is a courtesy; the missing heartbeat says it too
                 log.exception("%s: final report failed", cfg.name)
         finally:
+            self._cpu_wait = None
+            wait_clock.close()
             close = getattr(self.handler, "close", None)
             if close is not None:
                 close()
