@@ -116,7 +116,8 @@ class LifecycleMixin(DrainMixin):
         info = await command(worker, Describe(), self.config.start_timeout_s)
         worker.address, worker.block_size, worker.model = info.address, info.block_size, info.model
         worker.info = {"device": info.device, "node_id": info.node_id, "node_address": info.node_address,
-                       "pid": info.pid, "model_source": info.model_source, "threads": info.threads}
+                       "pid": info.pid, "model_source": info.model_source, "threads": info.threads,
+                       "niceness": info.niceness}
         worker.last_seen = time.monotonic()
         return info
 

@@ -210,7 +210,7 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
     engine = {"model": c.model, "num_blocks": c.num_blocks, **c.engine, "block_size": c.block_size}
     engine["scheduler"] = {"step_target_s": c.step_target_s, **engine.get("scheduler", {})}
     config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s,
-              "torch_threads": worker_threads(c)}
+              "torch_threads": worker_threads(c), "niceness": c.worker_niceness}
     resources = {}
     if role == "prefill":
         config.update(transport=c.transport, namespace=namespace, stream_migration=c.stream_migration,

@@ -41,6 +41,7 @@ class WorkerConfig:
     # the cluster's keys (protocol.curve: 'public', 'secret'): reports go over CURVE and KV handshakes
     # are signed; None outside a secured cluster (in-process tests)
     cluster_keys: dict | None = None
+    niceness: int | None = 0     # the nice value the process sets for itself at start (runtime.priority)
 
     @property
     def keys(self):
@@ -72,8 +73,10 @@ class WorkerActor:
 
         from engine.engine import EngineConfig, LLMEngine
         from runtime.model_store import resolve
+        from runtime.priority import set_niceness
 
         self.config = self.config_class(**config)
+        self.niceness = set_niceness(self.config.niceness)  # before any thread of ours starts
         torch.set_num_threads(max(1, self.config.torch_threads))
         engine = dict(self.config.engine or {})
         engine["model"], self.model_source = resolve(engine.get("model", "tiny"), self.config.model_files,
@@ -148,7 +151,8 @@ class WorkerActor:
                           vocab_size=e.model_config.vocab_size, bos_token_id=e.model_config.bos_token_id,
                           eos_token_ids=list(e.model_config.eos_token_ids), device=str(e.device),
                           node_id=node_id, node_address=node_address, pid=os.getpid(),
-                          model_source=self.model_source, threads=torch.get_num_threads())
+                          model_source=self.model_source, threads=torch.get_num_threads(),
+                          niceness=self.niceness)
 
     def stats(self) -> dict:
         return self.loop.stats()

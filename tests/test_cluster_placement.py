@@ -57,6 +57,9 @@ def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_sess
         sources = sorted(w["model_source"] for w in workers)
         assert sources == ["node_cache", "node_cache", "object_store"]  # three workers, one node
         assert [w["threads"] for w in workers] == [2, 2, 2]  # ClusterConfig.torch_threads
+        # this plain Ray starts workers at nice 15; each sets its own to ClusterConfig.worker_niceness
+        # (0) where it may (root here; runtime.priority)
+        assert [w["niceness"] for w in workers] == [0 if os.geteuid() == 0 else 15] * 3
 
         local = LLMEngine(EngineConfig(model=checkpoint, num_blocks=64))
         prompt = list(range(3, 40))

@@ -1,0 +1,40 @@
+"""A worker's CPU priority. Ray starts its worker processes at nice 15 (its `worker_niceness`), so
+on a busy node every engine ran below the coordinator, the HTTP server, a load generator and any
+other process at nice 0: on the development machine's 2 cores a nice-0 process takes about 28
+times the CPU a nice-15 one gets when both want it, so engine steps stretched, and heartbeats came
+late, exactly when the node was loaded. A worker therefore sets its own nice value at start
+(`ClusterConfig.worker_niceness`, 0 by default) on every thread it has (Linux keeps a nice value
+per thread; threads started later inherit it). Raising priority needs CAP_SYS_NICE or an
+RLIMIT_NICE that allows it: where neither does, the worker keeps Ray's value and says so once (the
+embedded Ray that `pdserve up` starts is told to start workers at 0, which needs no privilege:
+deploy.launch). Returns the nice value in effect, which /v1/cluster shows per worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def set_niceness(target: int | None) -> int:
+    """Every thread of this process to nice `target` (None: leave it); the value in effect after."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if target is None or target == current:
+        return current
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]  # not Linux: the calling thread (a process there)
+    try:
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+            except ProcessLookupError:  # that thread ended meanwhile
+                pass
+    except PermissionError:
+        log.warning("this worker runs at nice %d: raising it to %d needs CAP_SYS_NICE (or RLIMIT_NICE); "
+                    "its engine gets less CPU than the processes around it when the node is busy",
+                    current, target)
+    return os.getpriority(os.PRIO_PROCESS, 0)
