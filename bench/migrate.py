@@ -204,7 +204,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             store = int(min(max(4 * largest, 256 << 20), 8 << 30))
             log(f"starting Ray (object store {store >> 20} MiB) ...")
             ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=store,
-                     log_to_driver=False, _system_config={"worker_niceness": 0})  # as deploy.launch
+                     log_to_driver=False)
             ray_started = True
         for shape_name, (L, H, D, dtype) in shapes:
             for B in cfg.block_sizes:

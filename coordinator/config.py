@@ -28,9 +28,10 @@ class ClusterConfig:
     # torch (and CPU kernel) threads per worker; 0: as many as the Ray CPUs it reserves (actor_cpus,
     # rounded down, at least 1), so workers never run more threads than the cores Ray gave them
     torch_threads: int = 0
-    # the nice value each worker process sets for itself at start (None: keep the one Ray gave it, 15,
-    # below the coordinator and every other process on the node; runtime.priority)
-    worker_niceness: int | None = 0
+    # the nice value each worker process sets for itself at start (runtime.priority); None: keep the
+    # one Ray gave it (15 unless RAY_worker_niceness says otherwise), below the coordinator and every
+    # other process on the node, which measured no worse for serving on 2 cores (docs/plan.md)
+    worker_niceness: int | None = None
     start_timeout_s: float = 180.0    # bound on workers loading and handshaking
     call_timeout_s: float = 10.0      # bound on one command to a worker
     event_timeout_s: float = 60.0     # longest silence inside a request before it times out

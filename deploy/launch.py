@@ -26,15 +26,12 @@ class RayConfig:
     """address: an existing Ray cluster ('auto' or 'HOST:PORT'); None starts a local embedded one.
     num_cpus: CPUs the local Ray offers (workers reserve fractions of one each).
     log_to_driver: show worker logs in this process.
-    auth: Ray's token authentication, 'token' or 'disabled', unless $RAY_AUTH_MODE says otherwise.
-    worker_niceness: the nice value a local Ray starts its worker processes at (Ray's own default,
-    15, puts every engine below the coordinator and every other process: runtime.priority)."""
+    auth: Ray's token authentication, 'token' or 'disabled', unless $RAY_AUTH_MODE says otherwise."""
 
     address: str | None = None
     num_cpus: int = 2
     log_to_driver: bool = False
     auth: str = "token"
-    worker_niceness: int = 0
 
 
 _session = contextlib.ExitStack()  # what start_ray set (RAY_AUTH_MODE) until stop_ray undoes it
@@ -59,8 +56,7 @@ def start_ray(config: RayConfig = RayConfig()) -> bool:
         else:  # NOTE: address="local" starts a new instance, never joins another (or a dead) session
             with ray_guard.loopback_node():
                 ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
-                         log_to_driver=config.log_to_driver,
-                         _system_config={"worker_niceness": config.worker_niceness})
+                         log_to_driver=config.log_to_driver)
             ray_guard.check_loopback()
         _session.push(stack.pop_all())
     return True

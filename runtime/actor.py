@@ -41,7 +41,7 @@ class WorkerConfig:
     # the cluster's keys (protocol.curve: 'public', 'secret'): reports go over CURVE and KV handshakes
     # are signed; None outside a secured cluster (in-process tests)
     cluster_keys: dict | None = None
-    niceness: int | None = 0     # the nice value the process sets for itself at start (runtime.priority)
+    niceness: int | None = None  # the nice value the process sets for itself at start (runtime.priority)
 
     @property
     def keys(self):

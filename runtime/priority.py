@@ -1,13 +1,13 @@
 """A worker's CPU priority. Ray starts its worker processes at nice 15 (its `worker_niceness`), so
-on a busy node every engine ran below the coordinator, the HTTP server, a load generator and any
-other process at nice 0: on the development machine's 2 cores a nice-0 process takes about 28
-times the CPU a nice-15 one gets when both want it, so engine steps stretched, and heartbeats came
-late, exactly when the node was loaded. A worker therefore sets its own nice value at start
-(`ClusterConfig.worker_niceness`, 0 by default) on every thread it has (Linux keeps a nice value
-per thread; threads started later inherit it). Raising priority needs CAP_SYS_NICE or an
-RLIMIT_NICE that allows it: where neither does, the worker keeps Ray's value and says so once (the
-embedded Ray that `pdserve up` starts is told to start workers at 0, which needs no privilege:
-deploy.launch). Returns the nice value in effect, which /v1/cluster shows per worker.
+on a busy node every engine runs below the coordinator, the HTTP server, a load generator and any
+other process at nice 0 (a nice-0 process gets about 28 times the CPU of a nice-15 one when both
+want it). `ClusterConfig.worker_niceness` lets a worker set its own nice value at start, on every
+thread it has (Linux keeps a nice value per thread; threads started later inherit it). It is off
+by default: on the development machine's 2 cores, engines at 0 served no better than at 15,
+because the coordinator every token passes through then waits for them (docs/plan.md). Raising
+priority needs CAP_SYS_NICE or an RLIMIT_NICE that allows it: where neither does, the worker keeps
+Ray's value and says so once (a local Ray started with RAY_worker_niceness=0 in the environment
+starts its workers at 0 with no privilege). /v1/cluster shows each worker's nice value.
 """
 
 from __future__ import annotations

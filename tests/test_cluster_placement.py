@@ -43,7 +43,7 @@ def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_sess
     event_port, kv_first = _free_port(), _free_port()
     config = ClusterConfig(prefill=1, decode=2, model=checkpoint, num_blocks=64, bind="node",
                            event_port=event_port, kv_port_min=kv_first, kv_port_max=kv_first + 20,
-                           model_distribution="always", torch_threads=2)
+                           model_distribution="always", torch_threads=2, worker_niceness=0)
     srv = ClusterServer(config)
     try:
         port = srv.start()
@@ -58,7 +58,7 @@ def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_sess
         assert sources == ["node_cache", "node_cache", "object_store"]  # three workers, one node
         assert [w["threads"] for w in workers] == [2, 2, 2]  # ClusterConfig.torch_threads
         # this plain Ray starts workers at nice 15; each sets its own to ClusterConfig.worker_niceness
-        # (0) where it may (root here; runtime.priority)
+        # where it may (root here; runtime.priority)
         assert [w["niceness"] for w in workers] == [0 if os.geteuid() == 0 else 15] * 3
 
         local = LLMEngine(EngineConfig(model=checkpoint, num_blocks=64))
