@@ -109,9 +109,10 @@ def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size
     outs = [r.seqs[0].output_ids for r in reqs]
     tokens = sum(len(o) for o in outs)
     from bench.machine import engine_paths
+    from engine.weight_format import decode_weight_bytes
 
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": len(steps),
-            "paths": engine_paths(eng),
+            "paths": engine_paths(eng), "decode_weight_bytes": decode_weight_bytes(eng.model),
             "step_ms": _percentiles([ms for ms, _ in steps]),
             "prefill_step_ms": _percentiles([ms for ms, prefill in steps if prefill]),
             "decode_step_ms": _percentiles([ms for ms, prefill in steps if not prefill]),
@@ -208,7 +209,8 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
                                                            max_batched_tokens, dtype, lambda n: None, device,
                                                            weights))
     same = sum(a == b for a, b in zip(engine_runs[0]["outputs"], hf_runs[0]["outputs"]))
-    llama = base.report(engine_runs, hf_runs[0]["outputs"]) if base else {"skipped": note}
+    llama = base.report(engine_runs, hf_runs[0]["outputs"], where.get("memory_copy_gb_per_s")) if base \
+        else {"skipped": note}
     for x in engine_runs + hf_runs:
         x.pop("outputs")
     med = lambda runs: statistics.median(x["tokens_per_s"] for x in runs)  # noqa: E731

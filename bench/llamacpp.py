@@ -15,7 +15,10 @@ Sapphire Rapids machines (ggml-org/llama.cpp#20824; on this project's VMs at the
 `extra_buffers_work` tries the extra buffer types (AMX, CPU repack) in a child process first and
 they are turned off when it crashes. `Baseline` is bench engine's side: per alternating repeat a
 batched run, pdserve's single stream (bench.engine.run_engine on the first prompt) and llama.cpp's,
-then the pdserve/llama.cpp ratios and greedy agreement (JSON section and printed lines).
+then the pdserve/llama.cpp ratios and greedy agreement (JSON section and printed lines), and for
+each side's single-stream decode the weight bytes one step reads over the step time, as a fraction
+of the memory copy bandwidth measured in the same run (issue 27's bandwidth measure, applied to
+both engines).
 """
 
 from __future__ import annotations
@@ -150,6 +153,26 @@ class LlamaCpp:
         return self._generate(self.multi, prompts, new_tokens)
 
 
+def step_weight_bytes(gguf_path: str) -> int:
+    """Bytes of the matrices one llama.cpp decode step reads from this file: every tensor of two or
+    more dimensions except the token embedding, which only gives a row per token unless the file
+    has no `output.weight` and it doubles as the logits matrix (tied, as SmolLM2's)."""
+    from engine.gguf_reader import GGUFContents
+
+    tensors = {t.name: t for t in GGUFContents(gguf_path).tensors if len(t.dims) >= 2}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(t.data.nbytes for t in tensors.values())
+
+
+def bandwidth_use(weight_bytes: int, tokens_per_s: float | None, copy_gb_per_s: float | None) -> dict:
+    """weight bytes per decode step over the step time (GB/s), and that as a fraction of the copy
+    bandwidth (None when either is unknown)."""
+    gb_s = weight_bytes * tokens_per_s / 1e9 if tokens_per_s else None
+    return {"weight_bytes_per_step": weight_bytes, "bytes_per_step_over_step_time_gb_s": gb_s,
+            "fraction_of_copy_bandwidth": gb_s / copy_gb_per_s if gb_s and copy_gb_per_s else None}
+
+
 def pdserve_single(engine_run: dict) -> dict:
     """bench.engine.run_engine's result for one prompt as prefill seconds (its prefill-carrying
     steps) and decode tok/s (its decode-only steps, one token each)."""
@@ -204,9 +227,11 @@ class Baseline:
               f"{p['decode_tokens_per_s']:.1f} tok/s, llama.cpp {s['decode_tokens_per_s']:.1f} tok/s",
               flush=True)
 
-    def report(self, engine_runs: list[dict], hf_outputs: list[list[int]]) -> dict:
+    def report(self, engine_runs: list[dict], hf_outputs: list[list[int]], copy_gb_per_s: float | None = None
+               ) -> dict:
         """The JSON section. engine_runs: bench engine's pdserve runs (alternating with these
-        repeats, outputs still attached); hf_outputs: transformers' (float32) of the first repeat."""
+        repeats, outputs still attached); hf_outputs: transformers' (float32) of the first repeat;
+        copy_gb_per_s: the run's measured memory copy bandwidth (bench.machine)."""
         from bench.weights import first_divergence
 
         self.runner.close()
@@ -224,6 +249,12 @@ class Baseline:
                                                                            engine_runs[0]["outputs"]))}
         for x in (x for xs in runs.values() for x in xs):
             x.pop("outputs", None)
+        ours_tps = med(x["decode_tokens_per_s"] for x in runs["pdserve_single"])
+        theirs_tps = med(x["decode_tokens_per_s"] for x in runs["single"])
+        use = {"pdserve": bandwidth_use(engine_runs[0]["decode_weight_bytes"], ours_tps, copy_gb_per_s),
+               "llamacpp": bandwidth_use(step_weight_bytes(self.runner.config["gguf"]), theirs_tps,
+                                         copy_gb_per_s),
+               "memory_copy_gb_per_s": copy_gb_per_s}
         return {"config": self.runner.config, "num_prompts": len(self.prompts), "max_tokens": self.max_tokens,
                 "single_prompt_tokens": len(self.prompts[0]),
                 "batched_mode": "one context, one sequence id per prompt, each prompt prefilled by its own "
@@ -236,7 +267,8 @@ class Baseline:
                 "pdserve_single_prefill_s_median": med(x["prefill_s"] for x in runs["pdserve_single"]),
                 "ratio_batched": med(batched), "ratios_batched": batched,
                 "ratio_single_decode": med(single), "ratios_single_decode": single,
-                "ratio_single_prefill_time": med(prefill), "greedy": agree, "runs": runs}
+                "ratio_single_prefill_time": med(prefill), "single_decode_bandwidth": use, "greedy": agree,
+                "runs": runs}
 
 
 def show(s: dict) -> None:
@@ -252,6 +284,14 @@ def show(s: dict) -> None:
           f"{s['ratio_single_decode']:.2f}x (per repeat: {each('ratios_single_decode')}; target >= 0.7x); "
           f"prefill pdserve {s['pdserve_single_prefill_s_median']:.2f} s, llama.cpp "
           f"{s['single_prefill_s_median']:.2f} s")
+    use = s.get("single_decode_bandwidth", {})
+    if use.get("memory_copy_gb_per_s"):
+        side = lambda u: (f"{u['weight_bytes_per_step'] / 1e6:.0f} MB/step = "  # noqa: E731
+                          f"{u['bytes_per_step_over_step_time_gb_s']:.1f} GB/s, "
+                          f"{100 * u['fraction_of_copy_bandwidth']:.0f}%")
+        print(f"single-stream decode, weight bytes per step over step time, of the "
+              f"{use['memory_copy_gb_per_s']:.1f} GB/s copy bandwidth: pdserve {side(use['pdserve'])}; "
+              f"llama.cpp {side(use['llamacpp'])}")
     print(f"llama.cpp greedy tokens, first divergence (None: all {s['max_tokens']} equal): vs pdserve "
           f"({g['pdserve_weights']}) {g['first_divergence_vs_pdserve']}, vs transformers (f32) "
           f"{g['first_divergence_vs_transformers_f32']}; batched outputs identical to pdserve's "

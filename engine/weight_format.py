@@ -156,8 +156,12 @@ def decode_weight_bytes(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Projection):
-            total += m.lowp.nbytes if getattr(m, "lowp", None) is not None else m.weight.numel() * 4
+            total += m.lowp.nbytes if getattr(m, "lowp", None) is not None else _nbytes(m.weight)
     if model.lm_head is None:
         lowp = getattr(model, "logits_lowp", None)
-        total += lowp.nbytes if lowp is not None else model.embed_tokens.weight.numel() * 4
+        total += lowp.nbytes if lowp is not None else _nbytes(model.embed_tokens.weight)
     return total
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -67,8 +67,15 @@ def test_bench_engine_reports_llamacpp(tmp_path, monkeypatch, capsys):
     assert section["config"]["threads"] == 1 and section["num_prompts"] == 2
     assert section["greedy"]["batched_first_equals_single"]
     assert len(section["runs"]["batched"]) == len(section["runs"]["pdserve_single"]) == 1
+    use = section["single_decode_bandwidth"]
+    assert use["pdserve"]["weight_bytes_per_step"] > 5 * use["llamacpp"]["weight_bytes_per_step"] > 0  # f32
+    for side in ("pdserve", "llamacpp"):
+        u = use[side]
+        assert u["fraction_of_copy_bandwidth"] == pytest.approx(
+            u["bytes_per_step_over_step_time_gb_s"] / use["memory_copy_gb_per_s"])
     out = capsys.readouterr().out
     assert "llama.cpp baseline: llama-cpp-python" in out and "pdserve/llama.cpp" in out
+    assert "weight bytes per step over step time" in out
 
 
 def test_without_llama_cpp_one_note(tmp_path, monkeypatch, capsys):
