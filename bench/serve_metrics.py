@@ -96,6 +96,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
     server_ttft, mig = present(done, "server_ttft_ms"), present(done, "migration_ms")
     streamed = [r for r in done if r.overlap_pct is not None]
     out_tokens = sum(r.output_tokens for r in done)
+    told = [r for r in done if r.cached_tokens is not None]
     dur = max(duration_s, 1e-9)
     good = sum(meets_slo(r, slo) for r in done)
     res = {
@@ -115,6 +116,9 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
         "streamed_ms": percentiles(present(streamed, "streamed_ms")),
         # the same quantities under vLLM `bench serve`'s result-file names
         "total_input_tokens": sum(r.prompt_tokens for r in done), "total_output_tokens": out_tokens,
+        # the share of prompt tokens the prefix cache gave (requests whose response said; None: none did)
+        "prefix_hit_share": (sum(r.cached_tokens for r in told) / max(1, sum(r.prompt_tokens for r in told))
+                             if told else None),
         "request_throughput": len(done) / dur, "output_throughput": out_tokens / dur,
         "request_goodput": good / dur,
     }

@@ -164,6 +164,8 @@ class CompletionRun:
             if longest > 1:
                 out["tpot_ms"] = round((now - self.t_first) * 1000 / (longest - 1), 3)
         out["backend"] = self.final.info if self.final is not None else {}
+        if self.final is not None:  # prompt tokens the prefix cache gave (as usage's cached_tokens)
+            out["cached_tokens"] = self.final.cached_tokens
         return out
 
     def record(self, status: str) -> None:

@@ -109,6 +109,7 @@ def _records():
     b = _rec(1, 1.0, [(1.3, 1), (1.4, 2)], mig=30.0)  # ttft 300, e2e 400, 3 tokens: tpot 50, itl 50, 50
     c = _rec(2, 1.5, [], ok=False, max_tokens=4)
     d = _rec(3, 2.0, [(2.05, 1)])  # one token: ttft 50, no tpot
+    a.cached_tokens, b.cached_tokens = 8, 0  # d's server said nothing: it does not count
     return [a, b, c, d]
 
 
@@ -138,10 +139,12 @@ def test_summarize_against_hand_computed_values():
     assert s["migration_share_of_ttft"]["p50"] == pytest.approx(0.1) and s["migrated"] == 2
     assert s["streamed_migrations"] == 1 and s["overlap_pct"]["p50"] == pytest.approx(80)
     assert s["exposed_ms"]["p99"] == pytest.approx(10) and s["streamed_ms"]["p50"] == pytest.approx(60)
+    assert s["prefix_hit_share"] == pytest.approx(8 / 20)  # a and b: 8 of their 10 + 10 prompt tokens
     assert RUN_KEYS - {"mode", "rate", "streamed", "label", "client_pid"} <= set(s) and VLLM_KEYS <= set(s)
     empty = sm.summarize([_records()[2]], 1.0, sm.SLO())
     assert empty["completed"] == 0 and empty["ttft_ms"] == {"p50": None, "p90": None, "p99": None}
     assert empty["streamed_migrations"] == 0 and empty["overlap_pct"]["p50"] is None
+    assert empty["prefix_hit_share"] is None
     json.dumps(empty, allow_nan=False)
 
 
@@ -205,6 +208,8 @@ def test_bench_serve_cli_against_a_running_server(server_url, tmp_path):
     want = [s.max_tokens for s in specs]
     assert [q["max_tokens"] for q in reqs] == [q["output_tokens"] for q in reqs] == want
     assert all(q["ok"] and 0 <= q["send_s"] < q["first_s"] <= q["end_s"] for q in reqs)
+    assert all(0 <= q["cached_tokens"] < q["prompt_tokens"] for q in reqs)  # the server said, per request
+    assert 0 <= rep["runs"][0]["prefix_hit_share"] < 1
     o = rep["overhead"]["colocated"]
     assert o["prefill_only"]["completed"] == o["full"]["completed"] == bs.QUICK.overhead_requests
     assert png.stat().st_size > 10_000

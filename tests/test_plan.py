@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from bench.plan.des import SimConfig, simulate
+from bench.plan.metrics import summarize
 from bench.plan.model import from_profile, synthetic
 from bench.plan.search import Target, plan
 from bench.plan.workload import Req, from_distributions, parse_dist
@@ -66,6 +67,7 @@ def test_shared_prefix_is_prefilled_once():
     a, b = simulate(reqs, m, SimConfig(colocated=1))
     assert (a.first_s - a.req.arrival_s) * 1e3 == pytest.approx(80)
     assert (b.first_s - b.req.arrival_s) * 1e3 == pytest.approx(16)  # 4 cached blocks of 16
+    assert summarize([a, b], SLO())["prefix_hit_share"] == pytest.approx(64 / 160)
 
 
 def _plan(model, prompt, output, slo, rates, n=40):

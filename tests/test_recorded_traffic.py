@@ -114,6 +114,8 @@ def test_cached_tokens_count_the_prefix_hit(tiny_server):
     import json
     block = tiny_server.backend.engine.config.block_size
     body = {"prompt": list(range(3, 3 + 3 * block + 5)), "max_tokens": 2, "temperature": 0}
-    cold = json.loads(tiny_server.post(body)[1])["usage"]["prompt_tokens_details"]["cached_tokens"]
-    warm = json.loads(tiny_server.post(body)[1])["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cold == 0 and warm == 3 * block
+    cold, warm = (json.loads(tiny_server.post(body)[1]) for _ in range(2))
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * block
+    # the pdserve extension says it too (what bench serve records per request)
+    assert (cold["pdserve"]["cached_tokens"], warm["pdserve"]["cached_tokens"]) == (0, 3 * block)

@@ -43,5 +43,8 @@ def summarize(outcomes: list, slo: SLO) -> dict:
             "tpot_misses": sum((_tpot_ms(o) or 0.0) > slo.tpot_ms for o in done),
             "goodput_req_s": good / dur if dur > 0 else float(good),
             "slo_attainment": good / len(outcomes) if outcomes else None,
+            # the share of prompt tokens the prefix cache gave, as bench.serve_metrics counts it
+            "prefix_hit_share": (sum(o.req.prompt_tokens - o.computed_tokens for o in done)
+                                 / max(1, sum(o.req.prompt_tokens for o in done))),
             "paths": dict(Counter(f"{o.path}/{o.reason_kind}" if o.reason_kind else o.path
                                   for o in outcomes))}

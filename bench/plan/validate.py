@@ -7,7 +7,9 @@ model as loaded (the profile's contention unless --contention) and a what-if wit
 `contention`; the p50 errors (predicted / measured - 1) are counted against the issue's 25%. It
 also reports the unloaded TTFT bench serve measures (max_tokens=1, back to back) beside the
 model's prefill of the same prompts and its prefill plus serving path; and whether ranking the
-configurations by total goodput gives the same order measured and predicted. A measured order
+configurations by total goodput gives the same order measured and predicted, and per cell the
+share of prompt tokens the prefix cache gave, measured (each response's `cached_tokens`) and
+simulated: the predicted TTFT of a workload with shared prefixes hangs on it. A measured order
 counts only where the measurement can tell: per pair of configurations, a bootstrap over each
 run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
 interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
@@ -160,7 +162,9 @@ def _err(pred, meas) -> float | None:
 
 def _pick(s: dict) -> dict:
     return {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"], "tpot_p50": s["tpot_ms"]["p50"],
-            "tpot_p99": s["tpot_ms"]["p99"], "goodput": s["goodput_req_s"]}
+            "tpot_p99": s["tpot_ms"]["p99"], "goodput": s["goodput_req_s"],
+            "prefix_hit_share": s.get("prefix_hit_share"),
+            "server_ttft_p50": (s.get("server_ttft_ms") or {}).get("p50")}  # measured: the coordinator's view
 
 
 def _unloaded(measured: dict, model: StepModel, cfg) -> dict:
@@ -179,6 +183,10 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _share(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def _pct(e) -> str:
     return "-" if e is None else f"{100 * e:+.0f}%"
 
@@ -186,18 +194,21 @@ def _pct(e) -> str:
 def format_validate(v: dict) -> str:
     c, mc = v["contention"], v.get("model_contention", 0.0)
     lines = [f"cells: measured / predicted (contention {mc:g}) / predicted (contention {c:g}); "
-             "err: predicted / measured - 1",
-             "| config | rate | TTFT p50 | err | TTFT p99 | TPOT p50 | err | TPOT p99 | goodput |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "err: predicted / measured - 1; prefix hits: the share of prompt tokens the prefix cache "
+             "gave, measured / predicted",
+             "| config | rate | TTFT p50 | err | TTFT p99 | TPOT p50 | err | TPOT p99 | goodput "
+             "| prefix hits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in v["rows"]:
         m, a, s = r["measured"], r["predicted"], r["predicted_contention"]
         cells = {k: " / ".join((_f(m[k]), _f(a[k]), _f(s[k]))) for k in
                  ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")}
         e = r.get("error") or {}
         good = f"{m['goodput']:.2f} / {a['goodput']:.2f} / {s['goodput']:.2f}"
+        hits = " / ".join(_share(x.get("prefix_hit_share")) for x in (m, a))  # saved before: "-"
         lines.append(f"| {r['config']} | {r['rate']:g} | {cells['ttft_p50']} | {_pct(e.get('ttft_p50'))} | "
                      f"{cells['ttft_p99']} | {cells['tpot_p50']} | {_pct(e.get('tpot_p50'))} | "
-                     f"{cells['tpot_p99']} | {good} |")
+                     f"{cells['tpot_p99']} | {good} | {hits} |")
     w = v.get("within_25pct")
     if w:
         lines.append(f"within {TARGET:.0%}: TTFT p50 {w['ttft_p50']}/{w['of']}, "
