@@ -293,3 +293,31 @@ def test_serving_cpu_beside_the_engines_stretches_their_steps():
         return (o.end_s - o.first_s) / 39
 
     assert tpot(50.0) / tpot(0.0) == pytest.approx(1.5)  # 10 req/s x 50 ms = half a core
+
+
+def test_ttft_per_prompt_class_on_the_same_requests():
+    # measured [prompt, cached, TTFT ms] per request beside the simulated outcomes of the same ones:
+    # the class is the measured computed length (prompt - cached) against the threshold (80)
+    from types import SimpleNamespace
+
+    from bench.plan.validate import by_class, format_validate
+
+    def out(arrival, first):
+        return SimpleNamespace(req=SimpleNamespace(arrival_s=arrival), first_s=first)
+
+    measured = [[50, 0, 10.0], [500, 0, 40.0], [600, 550, 12.0], [40, 0, None], [90, 0, 30.0]]
+    outcomes = [out(0.0, 0.009), out(1.0, 1.050), out(2.0, 2.013), out(3.0, 3.001), out(4.0, None)]
+    cls = by_class(measured, outcomes, 80)
+    # short: requests 0 and 2 (50 computed each); 3 never answered, 4 never predicted: both left out
+    assert cls["short"]["n"] == 2 and cls["short"]["measured_p50"] == pytest.approx(11.0)
+    assert cls["short"]["predicted_p50"] == pytest.approx(11.0) and cls["short"]["error"] == pytest.approx(0.0)
+    assert cls["long"] == pytest.approx({"n": 1, "measured_p50": 40.0, "predicted_p50": 50.0, "error": 0.25})
+    assert by_class(None, outcomes, 80) is None  # a saved validation without per-request records
+    cell = {"ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": 2.0, "tpot_p99": 3.0, "goodput": 1.5}
+    v = {"contention": 0.0, "rows": [{"config": "colocated 2", "rate": 10.0, "measured": cell, "predicted": cell,
+                                      "predicted_contention": cell, "by_class": cls}],
+         "within_25pct": {"ttft_p50": 1, "tpot_p50": 1, "of": 1, "ttft_p50_by_class": 2, "of_classes": 2},
+         "unloaded": {}, "ranking": {"measured": [], "predicted": [], "match": True, "measured_tied": False}}
+    text = format_validate(v)
+    assert "TTFT p50 per prompt class 2/2" in text
+    assert "colocated 2 @ 10: TTFT p50 measured / predicted per class: short (2) 11.0 / 11.0" in text

@@ -9,7 +9,9 @@ also reports the unloaded TTFT bench serve measures (max_tokens=1, back to back)
 model's prefill of the same prompts and its prefill plus serving path; and whether ranking the
 configurations by total goodput gives the same order measured and predicted, and per cell the
 share of prompt tokens the prefix cache gave, measured (each response's `cached_tokens`) and
-simulated: the predicted TTFT of a workload with shared prefixes hangs on it. A measured order
+simulated: the predicted TTFT of a workload with shared prefixes hangs on it. Beside the overall
+TTFT p50 it compares the p50 per prompt class (`by_class`: short and long), request by request:
+the mixed workload's TTFTs fall in two groups, and the overall p50 lies in the gap between them. A measured order
 counts only where the measurement can tell: per pair of configurations, a bootstrap over each
 run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
 interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
@@ -89,7 +91,7 @@ def _serve_config(rates, num_requests: int, slo):
 
     return ServeBenchConfig(modes=tuple(SETUPS), streamed=(True,), rates=tuple(rates),
                             num_requests=num_requests, preset="mixed", overhead_requests=4, warmup_requests=2,
-                            slo=slo, quick=True)
+                            slo=slo, quick=True, detailed=True)
 
 
 def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print) -> dict:
@@ -98,7 +100,8 @@ def run_validate(model: StepModel, rates, num_requests: int, slo, contention: fl
     cfg = _serve_config(rates, num_requests, slo)
     report = run_bench(cfg, log=log)
     measured = [{"mode": r["mode"], "rate": r["rate"], "measured": _pick(r), "slo_met": r["slo_met"],
-                 "duration": r["duration"], "measured_paths": r.get("paths", {})} for r in report["runs"]]
+                 "duration": r["duration"], "measured_paths": r.get("paths", {}),
+                 "requests": _per_request(r.get("requests"))} for r in report["runs"]]
     unloaded = {name: {"measured_ttft_p50": o["prefill_only"]["ttft_ms"]["p50"]}
                 for name, o in report["overhead"].items() if o}
     return {**compare(model, cfg, measured, unloaded, contention), "serve_config": report["config"],
@@ -114,7 +117,8 @@ def resimulate(model: StepModel, saved: dict, contention: float) -> dict:
     sc = saved["serve_config"]
     slo = SLO(**{k: v for k, v in saved["slo"].items() if k in SLO.__dataclass_fields__})
     cfg = _serve_config(sc["rates"], sc["num_requests"], slo)
-    measured = [{k: r.get(k) for k in ("mode", "rate", "measured", "slo_met", "duration", "measured_paths")}
+    measured = [{k: r.get(k) for k in ("mode", "rate", "measured", "slo_met", "duration", "measured_paths",
+                                       "requests")}
                 for r in saved["rows"]]
     unloaded = {n: {"measured_ttft_p50": u["measured_ttft_p50"]} for n, u in saved["unloaded"].items()}
     return {**compare(model, cfg, measured, unloaded, contention), "serve_config": sc, "slo": saved["slo"]}
@@ -132,12 +136,15 @@ def compare(model: StepModel, cfg, measured: list[dict], unloaded: dict, content
         i = list(cfg.rates).index(rate)
         reqs = from_specs(_requests(cfg, rate, cfg.num_requests, cfg.seed + 1 + i))
         sc = _sim_config(mode, cfg, local_max)
-        pred = summarize(simulate(reqs, model, sc), cfg.slo)
+        outcomes = simulate(reqs, model, sc)
+        pred = summarize(outcomes, cfg.slo)
         shared = summarize(simulate(reqs, replace(model, contention=contention), sc), cfg.slo)
         m = run["measured"]
         rows.append({"config": sc.label, "mode": mode, "rate": rate, "measured": m,
                      "predicted": _pick(pred), "predicted_contention": _pick(shared),
                      "error": {k: _err(_pick(pred)[k], m[k]) for k in ("ttft_p50", "tpot_p50")},
+                     "requests": run.get("requests"),
+                     "by_class": by_class(run.get("requests"), outcomes, local_max),
                      "measured_paths": run.get("measured_paths") or {}, "predicted_paths": pred["paths"],
                      "slo_met": run.get("slo_met"), "duration": run.get("duration")})
         measured_total[sc.label] = measured_total.get(sc.label, 0.0) + m["goodput"]
@@ -149,11 +156,41 @@ def compare(model: StepModel, cfg, measured: list[dict], unloaded: dict, content
     tied = not any(p.get("significant", True) for p in pairs)  # NOTE: then the order is noise, not a ranking
     within = {k: sum(abs(r["error"][k]) <= TARGET for r in rows if r["error"][k] is not None)
               for k in ("ttft_p50", "tpot_p50")}
+    classes = [c for r in rows for c in (r["by_class"] or {}).values() if c["error"] is not None]
+    if classes:
+        within.update(ttft_p50_by_class=sum(abs(c["error"]) <= TARGET for c in classes),
+                      of_classes=len(classes))
     return {"rows": rows, "unloaded": _unloaded(unloaded, model, cfg), "contention": contention,
             "model_contention": model.contention, "within_25pct": {**within, "of": len(rows)},
             "ranking": {"measured": m_rank, "predicted": p_rank, "match": ranking_matches(pairs),
                         "same_order": m_rank == p_rank, "measured_tied": tied, "pairs": pairs,
                         "measured_goodput_sum": measured_total, "predicted_goodput_sum": predicted_total}}
+
+
+def _per_request(records: list[dict] | None) -> list[list] | None:
+    """bench serve's detailed records -> [prompt tokens, cached tokens, TTFT ms or None] in spec order."""
+    if records is None:
+        return None
+    return [[r["prompt_tokens"], r.get("cached_tokens"),
+             None if r["first_s"] is None else (r["first_s"] - r["send_s"]) * 1e3] for r in records]
+
+
+def by_class(requests: list[list] | None, outcomes: list, short_max: int) -> dict | None:
+    """TTFT p50 measured and predicted per prompt class, on the same requests: "short" (at most
+    `short_max` prompt tokens computed, the per-request decision's threshold) and "long". A mixed
+    workload's TTFTs fall in two groups far apart, so the overall p50 lands in the gap between
+    them and flips with the one request that crosses it; per class it does not. A request's class
+    is what it computed as measured (its response's cached_tokens), the same for both sides."""
+    if not requests:
+        return None
+    out = {}
+    for name, keep in (("short", lambda n: n <= short_max), ("long", lambda n: n > short_max)):
+        pairs = [(q[2], (o.first_s - o.req.arrival_s) * 1e3) for q, o in zip(requests, outcomes)
+                 if q[2] is not None and o.first_s is not None and keep(q[0] - (q[1] or 0))]
+        if pairs:
+            m, p = (float(np.median([x[i] for x in pairs])) for i in (0, 1))
+            out[name] = {"n": len(pairs), "measured_p50": m, "predicted_p50": p, "error": _err(p, m)}
+    return out
 
 
 def _err(pred, meas) -> float | None:
@@ -212,7 +249,15 @@ def format_validate(v: dict) -> str:
     w = v.get("within_25pct")
     if w:
         lines.append(f"within {TARGET:.0%}: TTFT p50 {w['ttft_p50']}/{w['of']}, "
-                     f"TPOT p50 {w['tpot_p50']}/{w['of']}")
+                     f"TPOT p50 {w['tpot_p50']}/{w['of']}"
+                     + (f"; TTFT p50 per prompt class {w['ttft_p50_by_class']}/{w['of_classes']}"
+                        if "of_classes" in w else ""))
+    for r in v["rows"]:
+        cls = r.get("by_class") or {}
+        if cls:
+            each = "; ".join(f"{k} ({c['n']}) {_f(c['measured_p50'])} / {_f(c['predicted_p50'])} "
+                             f"{_pct(c['error'])}" for k, c in cls.items())
+            lines.append(f"  {r['config']} @ {r['rate']:g}: TTFT p50 measured / predicted per class: {each}")
     for name, u in v["unloaded"].items():
         lines.append(f"unloaded TTFT ({name}, max_tokens=1, back to back): measured p50 "
                      f"{_f(u['measured_ttft_p50'])} ms, model prefill p50 {_f(u['model_prefill_p50'])} ms, "
