@@ -310,12 +310,14 @@ def test_ttft_per_prompt_class_on_the_same_requests():
     cls = by_class(measured, outcomes, 80)
     # short: requests 0 and 2 (50 computed each); 3 never answered, 4 never predicted: both left out
     assert cls["short"]["n"] == 2 and cls["short"]["measured_p50"] == pytest.approx(11.0)
-    assert cls["short"]["predicted_p50"] == pytest.approx(11.0) and cls["short"]["error"] == pytest.approx(0.0)
+    assert cls["short"]["predicted_p50"] == pytest.approx(11.0)
+    assert cls["short"]["error"] == pytest.approx(0.0)
     assert cls["long"] == pytest.approx({"n": 1, "measured_p50": 40.0, "predicted_p50": 50.0, "error": 0.25})
     assert by_class(None, outcomes, 80) is None  # a saved validation without per-request records
     cell = {"ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": 2.0, "tpot_p99": 3.0, "goodput": 1.5}
-    v = {"contention": 0.0, "rows": [{"config": "colocated 2", "rate": 10.0, "measured": cell, "predicted": cell,
-                                      "predicted_contention": cell, "by_class": cls}],
+    row = {"config": "colocated 2", "rate": 10.0, "measured": cell, "predicted": cell,
+           "predicted_contention": cell, "by_class": cls}
+    v = {"contention": 0.0, "rows": [row],
          "within_25pct": {"ttft_p50": 1, "tpot_p50": 1, "of": 1, "ttft_p50_by_class": 2, "of_classes": 2},
          "unloaded": {}, "ranking": {"measured": [], "predicted": [], "match": True, "measured_tied": False}}
     text = format_validate(v)

@@ -11,8 +11,8 @@ configurations by total goodput gives the same order measured and predicted, and
 share of prompt tokens the prefix cache gave, measured (each response's `cached_tokens`) and
 simulated: the predicted TTFT of a workload with shared prefixes hangs on it. Beside the overall
 TTFT p50 it compares the p50 per prompt class (`by_class`: short and long), request by request:
-the mixed workload's TTFTs fall in two groups, and the overall p50 lies in the gap between them. A measured order
-counts only where the measurement can tell: per pair of configurations, a bootstrap over each
+the mixed workload's TTFTs fall in two groups, and the overall p50 lies in the gap between them.
+A measured order counts only where the measurement can tell: per pair of configurations, a bootstrap over each
 run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
 interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
 measured order. `resimulate` predicts a saved validation again with another model (the same
