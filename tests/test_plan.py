@@ -312,7 +312,9 @@ def test_ttft_per_prompt_class_on_the_same_requests():
     assert cls["short"]["n"] == 2 and cls["short"]["measured_p50"] == pytest.approx(11.0)
     assert cls["short"]["predicted_p50"] == pytest.approx(11.0)
     assert cls["short"]["error"] == pytest.approx(0.0)
-    assert cls["long"] == pytest.approx({"n": 1, "measured_p50": 40.0, "predicted_p50": 50.0, "error": 0.25})
+    assert cls["short"]["paired_ms"] == pytest.approx(0.0)  # -1 and +1 ms: the median of the two
+    assert cls["long"] == pytest.approx({"n": 1, "measured_p50": 40.0, "predicted_p50": 50.0, "error": 0.25,
+                                         "paired_ms": 10.0})
     assert by_class(None, outcomes, 80) is None  # a saved validation without per-request records
     cell = {"ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": 2.0, "tpot_p99": 3.0, "goodput": 1.5}
     row = {"config": "colocated 2", "rate": 10.0, "measured": cell, "predicted": cell,
@@ -323,3 +325,4 @@ def test_ttft_per_prompt_class_on_the_same_requests():
     text = format_validate(v)
     assert "TTFT p50 per prompt class 2/2" in text
     assert "colocated 2 @ 10: TTFT p50 measured / predicted per class: short (2) 11.0 / 11.0" in text
+    assert "long (1) 40.0 / 50.0 +25%, paired +10.0 ms" in text
