@@ -17,6 +17,7 @@ class ThreadWait:
     """The calling thread's run-queue wait; `seconds()` may be read from any thread."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # a read never uses a descriptor that close() has released
         try:
             self._fd: int | None = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat",
                                            os.O_RDONLY)
@@ -25,15 +26,21 @@ class ThreadWait:
 
     def seconds(self) -> float:
         """Seconds this thread has spent runnable but waiting for a CPU (0.0 where unknown)."""
-        if self._fd is None:
-            return 0.0
+        with self._lock:
+            if self._fd is None:
+                return 0.0
+            try:
+                data = os.pread(self._fd, 128, 0)
+            except OSError:
+                return 0.0
         try:
-            fields = os.pread(self._fd, 128, 0).split()
-            return int(fields[1]) / 1e9
-        except (OSError, IndexError, ValueError):
+            return int(data.split()[1]) / 1e9
+        except (IndexError, ValueError):
             return 0.0
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
+        """Release the file; a read in progress on another thread (a heartbeat) finishes first."""
+        with self._lock:
+            fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

@@ -64,3 +64,36 @@ def test_without_the_schedstat_file_the_wait_reads_zero(monkeypatch):
     _spin(0.05)
     assert clock.seconds() == 0.0
     clock.close()
+
+
+def test_close_waits_for_a_read_in_progress(monkeypatch):
+    """A heartbeat may read the wait while the loop thread closes the clock at exit: close() must
+    not release the descriptor under the read (the number could be reused by another open)."""
+    import threading
+
+    import runtime.cpu_wait as cw
+
+    entered, release = threading.Event(), threading.Event()
+    real = os.pread
+
+    def slow_pread(fd, n, offset):
+        entered.set()
+        assert release.wait(10)
+        os.fstat(fd)  # still open: OSError here would mean close() ran under the read
+        return real(fd, n, offset)
+
+    clock = ThreadWait()
+    monkeypatch.setattr(cw.os, "pread", slow_pread)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(clock.seconds()))
+    reader.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=clock.close)
+    closer.start()
+    closer.join(0.1)
+    assert closer.is_alive()  # held until the read is done
+    release.set()
+    reader.join(10)
+    closer.join(10)
+    assert not closer.is_alive() and len(got) == 1 and got[0] >= 0.0
+    assert clock.seconds() == 0.0  # closed: reads 0
