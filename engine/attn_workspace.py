@@ -5,6 +5,8 @@ path (engine.attn_torch_prefill)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.attn_mirror import DecodeMirror
@@ -23,9 +25,7 @@ class Workspace:
 
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor of `shape` with `like`'s dtype and device (contents undefined)."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = self._buffers[name] = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
