@@ -11,7 +11,7 @@ configurations by total goodput gives the same order measured and predicted, and
 share of prompt tokens the prefix cache gave, measured (each response's `cached_tokens`) and
 simulated: the predicted TTFT of a workload with shared prefixes hangs on it. Beside the overall
 TTFT p50 it compares the p50 per prompt class (`by_class`: short and long), request by request:
-the mixed workload's TTFTs fall in two groups, and the overall p50 lies in the gap between them.
+the mixed workload's TTFTs fall mostly in two groups, and the overall p50 lies where they meet.
 A measured order counts only where the measurement can tell: per pair of configurations, a bootstrap over each
 run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
 interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
@@ -178,8 +178,8 @@ def _per_request(records: list[dict] | None) -> list[list] | None:
 def by_class(requests: list[list] | None, outcomes: list, short_max: int) -> dict | None:
     """TTFT p50 measured and predicted per prompt class, on the same requests: "short" (at most
     `short_max` prompt tokens computed, the per-request decision's threshold) and "long". A mixed
-    workload's TTFTs fall in two groups far apart, so the overall p50 lands in the gap between
-    them and flips with the one request that crosses it; per class it does not. A request's class
+    workload's TTFTs fall mostly in two groups, so the overall p50 lands where they meet and
+    moves with the few requests between them; per class it does not. A request's class
     is what it computed as measured (its response's cached_tokens), the same for both sides.
     `paired_ms`: the median over the class's requests of predicted minus measured TTFT, request by
     request (near 0 when the model follows each request and only a few slow ones move the p50)."""
