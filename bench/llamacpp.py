@@ -17,8 +17,8 @@ they are turned off when it crashes. `Baseline` is bench engine's side: per alte
 batched run, pdserve's single stream (bench.engine.run_engine on the first prompt) and llama.cpp's,
 then the pdserve/llama.cpp ratios and greedy agreement (JSON section and printed lines), and for
 each side's single-stream decode the weight bytes one step reads over the step time, as a fraction
-of the memory copy bandwidth measured in the same run (issue 27's bandwidth measure, applied to
-both engines).
+of the memory copy bandwidth measured in the same run (bench.step_bandwidth, applied to both
+engines).
 """
 
 from __future__ import annotations
@@ -153,26 +153,6 @@ class LlamaCpp:
         return self._generate(self.multi, prompts, new_tokens)
 
 
-def step_weight_bytes(gguf_path: str) -> int:
-    """Bytes of the matrices one llama.cpp decode step reads from this file: every tensor of two or
-    more dimensions except the token embedding, which only gives a row per token unless the file
-    has no `output.weight` and it doubles as the logits matrix (tied, as SmolLM2's)."""
-    from engine.gguf_reader import GGUFContents
-
-    tensors = {t.name: t for t in GGUFContents(gguf_path).tensors if len(t.dims) >= 2}
-    if "output.weight" in tensors:
-        tensors.pop("token_embd.weight", None)
-    return sum(t.data.nbytes for t in tensors.values())
-
-
-def bandwidth_use(weight_bytes: int, tokens_per_s: float | None, copy_gb_per_s: float | None) -> dict:
-    """weight bytes per decode step over the step time (GB/s), and that as a fraction of the copy
-    bandwidth (None when either is unknown)."""
-    gb_s = weight_bytes * tokens_per_s / 1e9 if tokens_per_s else None
-    return {"weight_bytes_per_step": weight_bytes, "bytes_per_step_over_step_time_gb_s": gb_s,
-            "fraction_of_copy_bandwidth": gb_s / copy_gb_per_s if gb_s and copy_gb_per_s else None}
-
-
 def pdserve_single(engine_run: dict) -> dict:
     """bench.engine.run_engine's result for one prompt as prefill seconds (its prefill-carrying
     steps) and decode tok/s (its decode-only steps, one token each)."""
@@ -232,6 +212,7 @@ class Baseline:
         """The JSON section. engine_runs: bench engine's pdserve runs (alternating with these
         repeats, outputs still attached); hf_outputs: transformers' (float32) of the first repeat;
         copy_gb_per_s: the run's measured memory copy bandwidth (bench.machine)."""
+        from bench.step_bandwidth import bandwidth_use, step_weight_bytes
         from bench.weights import first_divergence
 
         self.runner.close()
@@ -251,19 +232,18 @@ class Baseline:
             x.pop("outputs", None)
         ours_tps = med(x["decode_tokens_per_s"] for x in runs["pdserve_single"])
         theirs_tps = med(x["decode_tokens_per_s"] for x in runs["single"])
-        use = {"pdserve": bandwidth_use(engine_runs[0]["decode_weight_bytes"], ours_tps, copy_gb_per_s),
-               "llamacpp": bandwidth_use(step_weight_bytes(self.runner.config["gguf"]), theirs_tps,
-                                         copy_gb_per_s),
+        use = {"pdserve": bandwidth_use(engine_runs[0]["decode_weight_bytes"], 1 / ours_tps, copy_gb_per_s),
+               "llamacpp": bandwidth_use(step_weight_bytes(self.runner.config["gguf"]), 1 / theirs_tps,
+                                         copy_gb_per_s),  # a single-stream run decodes: its rates are > 0
                "memory_copy_gb_per_s": copy_gb_per_s}
         return {"config": self.runner.config, "num_prompts": len(self.prompts), "max_tokens": self.max_tokens,
                 "single_prompt_tokens": len(self.prompts[0]),
                 "batched_mode": "one context, one sequence id per prompt, each prompt prefilled by its own "
                                 "llama_decode calls, then one llama_decode per step for all sequences",
                 "batched_tokens_per_s_median": med(x["tokens_per_s"] for x in runs["batched"]),
-                "single_decode_tokens_per_s_median": med(x["decode_tokens_per_s"] for x in runs["single"]),
+                "single_decode_tokens_per_s_median": theirs_tps,
                 "single_prefill_s_median": med(x["prefill_s"] for x in runs["single"]),
-                "pdserve_single_decode_tokens_per_s_median": med(x["decode_tokens_per_s"]
-                                                                 for x in runs["pdserve_single"]),
+                "pdserve_single_decode_tokens_per_s_median": ours_tps,
                 "pdserve_single_prefill_s_median": med(x["prefill_s"] for x in runs["pdserve_single"]),
                 "ratio_batched": med(batched), "ratios_batched": batched,
                 "ratio_single_decode": med(single), "ratios_single_decode": single,

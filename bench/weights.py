@@ -147,6 +147,7 @@ def decode_rows(model) -> int:
 def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf", "gguf-q8"), new_tokens: int = 48,
         batch: int = 8, json_path: str | None = None) -> dict:
     from bench import machine
+    from bench.step_bandwidth import bandwidth_use
 
     where = machine.describe()
     print(machine.summary(where), flush=True)
@@ -156,9 +157,8 @@ def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf", "gguf-q8"), n
         print(f"[{fmt}] loading and measuring ...", flush=True)
         r = measure(fmt, new_tokens, batch, reference)
         reference = reference or r
-        step = r["single"]["step_ms_p50"] / 1e3
-        r["bytes_per_step_over_step_time_gb_s"] = r["decode_weight_bytes"] / step / 1e9
-        r["fraction_of_copy_bandwidth"] = r["bytes_per_step_over_step_time_gb_s"] / bw
+        use = bandwidth_use(r["decode_weight_bytes"], r["single"]["step_ms_p50"] / 1e3, bw)
+        r.update({k: v for k, v in use.items() if k != "weight_bytes_per_step"})  # decode_weight_bytes
         results.append(r)
         dp = r["decode_path"]
         agree = "" if fmt == "f32" else (f", top-1 {r['top1_agreement']:.4f} (decode path "
