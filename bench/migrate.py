@@ -38,7 +38,7 @@ from bench.pools import fill_random_sequence, kv_digest, make_manager, parse_kv_
 from kvcache.manager import blocks_for
 from kvcache.storage import KVLayout
 from transfer.codec import encode
-from transfer.export import ExportConfig, export_sequence
+from transfer.export import export_sequence
 from transfer.wire import DATA
 
 
@@ -78,9 +78,8 @@ def _measure(cfg: BenchConfig, recv: Receivers, transport: str, src, digest: int
     """One point; appends each timed migration's spans to `timeline` (times from `origin`).
     Payloads up to 1 MiB get at least cfg.small_warmup warm-ups and cfg.small_repeats repeats."""
     sender = recv.senders[transport]
-    mode = sender.config.checksum_mode  # Ray's and a pulled payload's checksums are in the manifest
-    ecfg = ExportConfig(chunk_bytes=sender.config.chunk_bytes, checksum_mode=mode,  # the channel's own
-                        checksum_threads=sender.config.copy_threads)
+    ecfg = sender.export_config(src.storage)  # as `SenderSession.migrate` exports on this channel
+    mode = ecfg.checksum_mode
     lat, exp, imp, verified, manifest_bytes, ex = [], [], [], True, 0, None
     t = src.table("s")
     small = len(t.blocks) * src.storage.layout.block_bytes <= 1 << 20

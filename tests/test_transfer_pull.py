@@ -2,7 +2,8 @@
 channel: a same-node /dev/shm pool offered after the hello, landed bit-exact with no byte on the
 wire; an offer the receiver cannot open is declined and bytes are pushed as before; offsets
 outside the offered pool, or offsets on a connection whose pool was never accepted, fail the
-transfer with the receiver's pool exactly as it was."""
+transfer with the receiver's pool exactly as it was; checksums sent after the offsets ("K", hashed
+while the receiver reads) are checked against what landed, staged or not."""
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ def test_same_node_pool_is_read_in_place(plane):
         tx.connect()
         ack = tx.migrate(src, "a", "r1", 1, dedupe=False)
         assert tx.channel.pull  # the receiver mapped our pool file (offered at the first transfer)
+        assert tx.export_config(src.storage).checksum_mode == "inline"  # its sums followed the offsets
         result = served.next()
         assert result.request_id == "r1" and ack.nbytes == result.nbytes > 0
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
@@ -136,14 +138,51 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
         served.stop()
 
 
-def _pull_refused(tx, served, ex, offsets, error, before):
-    """Send `ex`'s manifest, then `offsets` in the sender's pool, on tx's control socket: the
-    receiver fails the transfer with `error`, nacks it and leaves its pool as `before`."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_checksums_sent_after_the_offsets_are_verified_against_what_landed(staged):
+    # an "inline" manifest: the receiver reads at "P" (staged: once the sums are here) and checks
+    # every chunk against the "K" sums; good sums commit bit-exact, a bad one fails it
+    src = _source(tokens=150)
+    served = Served(make_manager(LAYOUT, 64))
+    served.rx.stage = staged  # chunks land in staging first (as for a device pool), one at a time
+    tx = _sender(src, served.rx.address, chunk_bytes=8 << 10)
+    try:
+        tx.connect()
+        assert tx.export_config(src.storage).checksum_mode == "inline"
+        before = snapshot(served.manager)
+        cfg = ExportConfig(checksum_mode="inline", chunk_bytes=8 << 10)
+        ex = export_sequence(src, "a", "r1", 1, config=cfg)
+        sums = [checksum(v) for _, _, v, _ in ex.chunks()]
+        assert len(sums) > 2
+        offsets = ShmAdvert(src.storage).offsets(ex.frames)
+        bad = sums[:1] + [sums[1] ^ 1] + sums[2:]
+        _pull_refused(tx, served, ex, offsets, E.ChecksumError, before, sums=bad)
+        _pull_refused(tx, served, ex, offsets, E.FrameCountError, before, sums=sums[:-1], token=8)
+        _pull_refused(tx, served, ex, offsets, E.MalformedMessage, before, sums=sums, token=9, order="KP")
+        sock = tx.channel.sock
+        sock.send_multipart([TOKEN.pack(b"M", 10), seal(encode(ex.manifest))])
+        sock.send_multipart([TOKEN.pack(b"P", 10), encode_offsets(offsets)])
+        sock.send_multipart([TOKEN.pack(b"K", 10), encode_offsets(sums)])
+        assert served.next().request_id == "r1"
+        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
+        ex.release()
+    finally:
+        tx.close()
+        served.stop()
+
+
+def _pull_refused(tx, served, ex, offsets, error, before, sums=None, token=7, order="PK"):
+    """Send `ex`'s manifest, then `offsets` in the sender's pool (and `sums`, "K", in `order`), on
+    tx's control socket: the receiver fails the transfer with `error`, nacks it and leaves its
+    pool as `before`."""
     sock = tx.channel.sock
-    sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
-    sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets(offsets)])
+    sock.send_multipart([TOKEN.pack(b"M", token), seal(encode(ex.manifest))])
+    msgs = {"P": [TOKEN.pack(b"P", token), encode_offsets(offsets)],
+            "K": [TOKEN.pack(b"K", token), encode_offsets(sums or [])]}
+    for kind in order if sums is not None else "P":
+        sock.send_multipart(msgs[kind])
     assert isinstance(served.next(), error)
-    assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
+    assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", token)  # nacked
     assert snapshot(served.manager) == before
 
 

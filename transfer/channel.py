@@ -48,6 +48,10 @@ class SenderChannel(Protocol):
     def accepted(self, reply) -> None:
         """The receiver's (verified) `HelloReply`: take what it offers (a data stream, a mapped pool)."""
 
+    def pulls(self) -> bool:
+        """Whether the receiver reads whole payloads from this side's pool (`transfer.pull`): the
+        session then exports them with "inline" checksums, sent after the pool offsets."""
+
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> ChannelTransfer:
         """Start transfer `token`: `bodies` are its manifest messages (none, one or two: the chaos

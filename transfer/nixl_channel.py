@@ -8,8 +8,9 @@ receiver loads that agent into one of its own, which has registered the receiver
 (`NixlSource`), and reads the
 payload straight into the blocks it reserved, with one NIXL READ for all of it (buffers outside
 its registered pool, e.g. a device pool's host staging slots, are read chunk by chunk through a
-registered scratch buffer). The checksums in the manifest are verified on landing as for any
-payload; the ack on the control channel is the completion notice the sender waits for.
+registered scratch buffer). Every chunk is verified on landing against the sender's checksums
+(sent after the offsets, hashed while this side reads); the ack on the control channel is the
+completion notice the sender waits for.
 
 Decode pulls, prefill does not push: the receiver knows where the blocks go only once it has
 reserved them, so a push would need one more round trip (the block addresses back to the

@@ -5,9 +5,11 @@ a way and its description). The receiver opens it with that way's opener (`SOURC
 per way) or declines (`PoolReply`); a declined offer leaves the connection pushing bytes as
 before. A whole transfer whose frames all lie in the offered pool then sends, instead of its
 payload, each frame's byte offset in it (`encode_offsets`); the receiver reads every chunk
-straight into the blocks it reserved (`land_pulled`), verifies it against the manifest's
-checksums, and commits or fails exactly as for pushed bytes. The sender's blocks stay leased
-until the ack, so nothing it offers can change under the read.
+straight into the blocks it reserved (`land_pulled`), verifies it against the chunks' checksums,
+and commits or fails exactly as for pushed bytes. The checksums follow the offsets (an "inline"
+manifest, then "K": the sender hashes while the receiver reads, `read_ahead`), or come in the
+manifest. The sender's blocks stay leased until the ack, so nothing it offers can change under
+the read.
 
 Ways: "shm", a /dev/shm pool file on the same node (`ShmAdvert`, `ShmSource`: one memcpy, pool to
 pool); "nixl" registers itself from `transfer.nixl_channel`. A source is bounds-checked against
@@ -61,32 +63,72 @@ def drop_source(owner) -> None:
 
 
 def encode_offsets(offsets: list[int]) -> bytes:
+    """Pool offsets (or chunk checksums: `Sums`) as a little-endian uint64 array."""
     return np.asarray(offsets, dtype="<u8").tobytes()
 
 
-def land_pulled(session, source, data, threads: int = 1) -> None:
+def read_ahead(session, source, data, threads: int = 1) -> list[int] | None:
+    """For a manifest whose checksums follow its offsets ("inline": the sender hashes while this
+    side reads): read the whole payload now, when it lands straight in the reserved blocks; the
+    xxh3-64 of what landed in each chunk, verified by `land_pulled(..., landed=)` once the
+    checksums arrive. None: it goes through staging, so it is read then, chunk by chunk."""
+    targets = session.direct_targets()
+    if targets is None:
+        return None
+    offsets = _offsets(session.manifest, data)
+    return _landed(source, _items(session.manifest, targets, offsets), threads)
+
+
+def land_pulled(session, source, data, threads: int = 1, sums=None, landed=None) -> None:
     """Read every chunk of `session`'s manifest from `source` at the frame offsets in `data`, in
     order, into the reserved blocks (`ImportSession.chunk_buffers`), each verified on landing
     (FrameCountError / ChecksumError / MalformedMessage: the caller aborts the session). `threads`
-    share the chunks' copies and checksums when they land straight in the reserved blocks."""
+    share the chunks' copies and checksums when they land straight in the reserved blocks. sums:
+    the chunks' checksums (`encode_offsets` bytes) when they came after the offsets (an "inline"
+    manifest), else the manifest has them; landed: what `read_ahead` read already."""
     m = session.manifest
-    if memoryview(data).nbytes != 8 * len(m.frames):
-        raise FrameCountError(f"{memoryview(data).nbytes // 8} pool offsets for {len(m.frames)} frames")
-    if m.checksum_mode != "manifest":
-        raise MalformedMessage("a pulled payload is verified against the manifest's checksums")
-    offsets = np.frombuffer(data, dtype="<u8").tolist()
+    offsets = _offsets(m, data)
+    expect = _expected(session, sums)
     targets = session.direct_targets()
     if targets is not None:  # straight into the reserved blocks: one read for the whole payload
-        items = [(offsets[f] + c * m.chunk_bytes, bufs) for f, c, _, bufs in targets]
-        for (f, c, nbytes, bufs), digest in zip(targets, _landed(source, items, threads)):
+        if landed is None:
+            landed = _landed(source, _items(m, targets, offsets), threads)
+        for i, ((f, c, nbytes, bufs), digest) in enumerate(zip(targets, landed)):
             session.chunk_buffers(f, c)  # then each chunk verified in order, as if it had arrived
-            session.chunk_done(f, c, nbytes, bufs, landed_checksum=digest)
+            session.chunk_done(f, c, nbytes, bufs, expect[i], landed_checksum=digest)
         return
+    i = 0
     while (nxt := session.next_chunk()) is not None:
         f, c, nbytes = nxt
         bufs = session.chunk_buffers(f, c)
         [digest] = _landed(source, [(offsets[f] + c * m.chunk_bytes, bufs)], 1)
-        session.chunk_done(f, c, nbytes, bufs, landed_checksum=digest)
+        session.chunk_done(f, c, nbytes, bufs, expect[i], landed_checksum=digest)
+        i += 1
+
+
+def _offsets(m, data) -> list[int]:
+    if memoryview(data).nbytes != 8 * len(m.frames):
+        raise FrameCountError(f"{memoryview(data).nbytes // 8} pool offsets for {len(m.frames)} frames")
+    return np.frombuffer(data, dtype="<u8").tolist()
+
+
+def _expected(session, sums) -> list:
+    """Each chunk's checksum from `sums` for an "inline" manifest; Nones (the manifest's) otherwise."""
+    m = session.manifest
+    chunks = m.num_chunks
+    if (m.checksum_mode == "inline") != (sums is not None):
+        raise MalformedMessage("a pulled payload's checksums come in its manifest or after its offsets")
+    if sums is None:
+        return [None] * chunks
+    if (session.next_chunk() or (0, 0))[:2] != (0, 0):  # its sums count from the first chunk
+        raise MalformedMessage("payload chunks pushed before a pulled payload")
+    if memoryview(sums).nbytes != 8 * chunks:
+        raise FrameCountError(f"{memoryview(sums).nbytes // 8} checksums for {chunks} chunks")
+    return np.frombuffer(sums, dtype="<u8").tolist()
+
+
+def _items(m, targets, offsets) -> list:
+    return [(offsets[f] + c * m.chunk_bytes, bufs) for f, c, _, bufs in targets]
 
 
 def _landed(source, items, threads: int) -> list[int]:

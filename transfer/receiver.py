@@ -178,12 +178,14 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
             return self._hello(ident, peer, body)
         if kind in (b"Q", b"U") and len(header) == 1:
             return (self._query if kind == b"Q" else self._pool)(ident, peer, body)
-        if kind in b"MSOWEFPC" and len(header) == TOKEN.size:
+        if kind in b"MSOWEFPKC" and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
             if kind == b"E":
                 return self._end(ident, peer, token)
             if kind == b"P":
                 return self._pull(ident, peer, token, body)
+            if kind == b"K":
+                return self._sums(ident, peer, token, body)
             if kind == b"C":
                 return self._cancel(ident, peer, token)
             if kind == b"F":
@@ -236,7 +238,7 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise
         peer.session, peer.token, peer.t0 = session, token, time.perf_counter()
-        peer.final, peer.awaits_final, peer.landed = None, False, False
+        peer.final, peer.awaits_final, peer.landed, peer.pulled = None, False, False, None
         if streamed:
             peer.landing = self.streams.expect(ident, token, session)
         return None

@@ -2,9 +2,10 @@
 channel's): superseded by a newer epoch of the same request (`_supersede`), payload chunks that
 came as messages (`_chunk`), payloads that finished landing on the raw data stream (`_landed`,
 from `stream_receiver`'s reader threads), payloads read from the sender's own pool (`_pull`,
-`transfer.pull`), a streamed transfer's closing state (`_final`) or its cancellation
-(`_cancel`), and the commit with its ack (`_end`). Everything here runs on the receiver's owner
-thread; a failure goes through `_fail` (reservation released, nack, count).
+`transfer.pull`; `_sums` when their checksums follow), a streamed transfer's closing state
+(`_final`) or its cancellation (`_cancel`), and the commit with its ack (`_end`). Everything here
+runs on the receiver's owner thread; a failure goes through `_fail` (reservation released, nack,
+count).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transfer.codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
 from transfer.importer import ImportResult
 from transfer.messages import Ack, Final
-from transfer.pull import land_pulled
+from transfer.pull import land_pulled, read_ahead
 from transfer.wire import TOKEN
 
 
@@ -104,19 +105,41 @@ class PayloadMixin:
         return self._fail(ident, peer, TransportClosed("the sender cancelled the transfer"))
 
     def _pull(self, ident: bytes, peer, token: int, body) -> ImportResult | None:
-        """A whole transfer's payload named by offsets in the sender's pool: read, verify, commit."""
+        """A whole transfer's payload named by offsets in the sender's pool: read, verify, commit.
+        When its checksums follow ("K", an "inline" manifest), it is read now and verified then."""
         s = peer.session
-        if s is None or token != peer.token or peer.landing is not None or peer.awaits_final:
+        if (s is None or token != peer.token or peer.landing is not None or peer.awaits_final
+                or peer.pulled is not None):
             self.metrics.add("stray_ends")
             return None
         t0 = time.perf_counter()
         try:
             if peer.source is None:
                 raise MalformedMessage("pool offsets on a connection whose pool this receiver does not read")
-            land_pulled(s, peer.source, body, self.config.copy_threads)
+            if s.manifest.checksum_mode == "inline":
+                peer.pulled = (bytes(body), read_ahead(s, peer.source, body, self.config.copy_threads))
+            else:
+                land_pulled(s, peer.source, body, self.config.copy_threads)
         except TransferError as e:
             return self._fail(ident, peer, e)
         s.timings["land_ms"] = (time.perf_counter() - t0) * 1e3  # reads and checksums
+        return None if peer.pulled is not None else self._end(ident, peer, token)
+
+    def _sums(self, ident: bytes, peer, token: int, body) -> ImportResult | None:
+        """A pulled payload's chunk checksums, sent after its offsets: verify what landed, commit."""
+        s = peer.session
+        if s is None or token != peer.token:
+            self.metrics.add("stray_ends")
+            return None
+        t0 = time.perf_counter()
+        try:
+            if peer.pulled is None:
+                raise MalformedMessage("chunk checksums before the pool offsets they check")
+            offsets, landed = peer.pulled
+            land_pulled(s, peer.source, offsets, self.config.copy_threads, sums=body, landed=landed)
+        except TransferError as e:
+            return self._fail(ident, peer, e)
+        s.timings["verify_ms"] = (time.perf_counter() - t0) * 1e3
         return self._end(ident, peer, token)
 
     def _chunk(self, ident: bytes, peer, f: int, c: int, cs: int) -> None:

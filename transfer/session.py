@@ -133,6 +133,18 @@ class SenderSession:
         self.metrics.add("bytes_sent", ack.nbytes)
         return ack, t1
 
+    def export_config(self, storage, *, lease: bool = True):
+        """How a whole payload of `storage` (the sending pool) is exported on this connection. One
+        the receiver reads from our pool (a CPU pool, not re-blocked) gets "inline" checksums:
+        they follow its pool offsets, hashed here while the receiver reads (`transfer.pull`),
+        instead of delaying the manifest. Others get the config's `checksum_mode`."""
+        from transfer.export import ExportConfig
+
+        c, plan = self.config, self.plan or self.connect()
+        pulled = storage.device.type == "cpu" and not plan.reblock and self.channel.pulls()
+        return ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode="inline" if pulled else c.checksum_mode,
+                            lease_s=c.lease_s, lease=lease, checksum_threads=c.copy_threads)
+
     def send(self, exported, timeout: float | None = None) -> Ack:
         """Send one export (manifest + payload) and wait for its ack; the export's lease is released
         on the receiver's answer (ack or nack), kept on a timeout (the receiver may have committed)."""
@@ -156,7 +168,7 @@ class SenderSession:
         and once after HandshakeRequired (the receiver restarted). Exports are added to `leases`
         (a LeaseTable) when given; with lease=False the caller keeps the blocks allocated until
         this returns (see ExportConfig.lease)."""
-        from transfer.export import ExportConfig, export_sequence
+        from transfer.export import export_sequence
 
         t0 = time.perf_counter()
         plan = self.plan or self.connect()
@@ -166,8 +178,7 @@ class SenderSession:
         nbytes = -(-t.num_computed // manager.block_size) * manager.storage.layout.block_bytes  # none reused
         if dedupe and nbytes > c.inline_bytes:
             reuse = self.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
-        cfg = ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode=c.checksum_mode, lease_s=c.lease_s,
-                           lease=lease, checksum_threads=c.copy_threads)
+        cfg = self.export_config(manager.storage, lease=lease)
         phases = self.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
         for attempt in range(2):
             t1 = time.perf_counter()

@@ -14,6 +14,8 @@ DEALER; `ray_channel` and `ray_transport` in Ray actor calls). Every message is 
   F+token   a streamed transfer's final state (msgpack Final, sealed)
   C+token   the sender cancels its transfer (empty body)
   P+token   instead of D...E: each frame's offset in the offered pool (uint64 LE; transfer.pull)
+  K+token   after P, when the manifest's checksums are "inline": every chunk's xxh3-64 in order
+            (uint64 LE), hashed by the sender while the receiver reads
   A+token   ack or nack of a transfer (msgpack Ack or Nack)
   N         nack of a garbled message
 Chunks are separate messages rather than one multipart message (ZeroMQ delivers a multipart

@@ -150,30 +150,42 @@ class ZmqChannel:
                         (PoolReply, Nack))
         self.pull = isinstance(answer, PoolReply) and answer.accepted
 
+    def pulls(self) -> bool:
+        """Whether the receiver reads whole payloads from our pool (offered now if not yet)."""
+        if not self.offered:
+            self.offer_pool()
+        return self.pull
+
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> _Transfer:
-        if not self.offered and not streamed:
-            self.offer_pool()
-        if self.pull and not streamed and frames is not None and manifest.checksum_mode == "manifest":
+        if not streamed and frames is not None and self.pulls():
             offsets = self.advert.offsets(frames)
             if offsets is not None:  # every frame is pool memory: the receiver reads it there
-                return _Pulled(self, token, bodies, offsets)
+                return _Pulled(self, token, bodies, offsets, manifest.checksum_mode == "inline")
         return _Transfer(self, token, manifest, bodies, streamed, deadline)
 
 
 class _Pulled:
-    """A whole transfer the receiver reads from our pool: "M", then "P" with each frame's offset."""
+    """A whole transfer the receiver reads from our pool: "M", then "P" with each frame's offset;
+    with "inline" checksums, "K" with them follows, hashed here while the receiver reads."""
 
-    def __init__(self, ch: ZmqChannel, token: int, bodies: list[bytes], offsets: list[int]):
-        self.ch, self.token, self.offsets = ch, token, offsets
+    def __init__(self, ch: ZmqChannel, token: int, bodies: list[bytes], offsets: list[int], sums: bool):
+        self.ch, self.token, self.sums = ch, token, sums
         for body in bodies:
             ch.sock.send_multipart([TOKEN.pack(b"M", token), body])
+        ch.sock.send_multipart([TOKEN.pack(b"P", token), encode_offsets(offsets)])
+        ch.flush()  # the read starts now
 
     def send(self, items) -> bool:
-        return True  # the pieces stay where they are
+        """The pieces stay where they are; with "inline" checksums, theirs go (hashed now)."""
+        if self.sums:
+            sums = [cs for (_, _, _, cs), _ in items]
+            self.ch.sock.send_multipart([TOKEN.pack(b"K", self.token), encode_offsets(sums)])
+            self.ch.flush()
+        return True
 
     def end(self, final_body) -> None:
-        self.ch.sock.send_multipart([TOKEN.pack(b"P", self.token), encode_offsets(self.offsets)])
+        pass
 
     def verdict(self, deadline: float) -> bytes:
         return self.ch.wait((TOKEN.pack(b"A", self.token),), deadline, "ack")

@@ -40,6 +40,7 @@ class Peer:
         self.landed = False              # its payload finished landing while `final` was still missing
         self.token, self.t0 = -1, 0.0
         self.source = None  # its pool, when it offered one this receiver can read (transfer.pull)
+        self.pulled = None  # (offsets, digests read ahead or None) of a pulled payload whose checksums follow
         self.fd, self.since = -1, time.monotonic()  # its connection's descriptor; first heard
 
     @property
