@@ -145,9 +145,9 @@ class ZmqChannel:
         """Offer our pool (once per handshake, at the first whole transfer, so a way that is slow
         to set up, e.g. a NIXL agent, costs the handshake nothing); declined: bytes are pushed."""
         self.offered = True
-        deadline = time.monotonic() + self.config.connect_timeout_s
-        answer = decode(self.request("pool", encode(self.advert.offer()), deadline), self.config.limits,
-                        (PoolReply, Nack))
+        body = encode(self.advert.offer())  # this side's setup first (a NIXL agent: seconds under load)
+        deadline = time.monotonic() + self.config.connect_timeout_s  # then the wait on the receiver
+        answer = decode(self.request("pool", body, deadline), self.config.limits, (PoolReply, Nack))
         self.pull = isinstance(answer, PoolReply) and answer.accepted
 
     def pulls(self) -> bool:
