@@ -45,7 +45,7 @@ def test_same_node_payload_is_read_from_the_senders_pool(ray_local):
     first = [5, 6, 0, 9, 10, 11, 12]  # the free queue hands these out first: three runs
     blocks = src.allocator.allocate_many(64)
     src.allocator.free_many(first + [b for b in blocks if b not in first])
-    tx.config = TransportConfig(checksum_mode="manifest", inline_bytes=0)
+    tx.config = tx.channel.config = TransportConfig(checksum_mode="manifest", inline_bytes=0)  # all pulled
     for i, n in enumerate((100, 300)):  # several frames each
         fill_random_sequence(src, f"s{i}", n, gen)
         probe = export_sequence(src, f"s{i}", "probe", 1)

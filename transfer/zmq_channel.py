@@ -29,6 +29,10 @@ from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
 
+# payload messages up to this size are copied into ZeroMQ's own buffer when sent (pyzmq's default:
+# 64 KiB, so a 64 KiB chunk went zero-copy); `python -m bench.small_move`
+COPY_BELOW = 256 << 10
+
 # a control request -> (its header, its reply's header)
 _REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q"), "pool": (b"U", b"u")}
 
@@ -72,6 +76,9 @@ class ZmqChannel:
         s = self.sock = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 0)  # chunks are zero-copy references: queueing them costs no memory
+        # ...above this size; below it a copy is cheaper than the zero-copy release, which wakes
+        # pyzmq's garbage-collector thread for the GIL once per message
+        s.copy_threshold = COPY_BELOW
         s.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)  # replies are small
         if self.config.socket_buffer_bytes:
             s.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
@@ -158,7 +165,8 @@ class ZmqChannel:
 
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> _Transfer:
-        if not streamed and frames is not None and self.pulls():
+        big = manifest.payload_bytes > self.config.inline_bytes  # a small one follows its manifest
+        if not streamed and frames is not None and big and self.pulls():
             offsets = self.advert.offsets(frames)
             if offsets is not None:  # every frame is pool memory: the receiver reads it there
                 return _Pulled(self, token, bodies, offsets, manifest.checksum_mode == "inline")
