@@ -63,7 +63,7 @@ def drop_source(owner) -> None:
 
 
 def encode_offsets(offsets: list[int]) -> bytes:
-    """Pool offsets (or chunk checksums: `Sums`) as a little-endian uint64 array."""
+    """Pool offsets (or the chunk checksums that follow them, "K") as a little-endian uint64 array."""
     return np.asarray(offsets, dtype="<u8").tobytes()
 
 

@@ -133,7 +133,7 @@ class PayloadMixin:
             return None
         t0 = time.perf_counter()
         try:
-            if peer.pulled is None:
+            if peer.pulled is None or peer.source is None:  # (the pool offered again meanwhile)
                 raise MalformedMessage("chunk checksums before the pool offsets they check")
             offsets, landed = peer.pulled
             land_pulled(s, peer.source, offsets, self.config.copy_threads, sums=body, landed=landed)
