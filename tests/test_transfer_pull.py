@@ -31,7 +31,8 @@ def _source(tokens=70, seed=1):
 
 
 def _sender(src, address, advert="shm", **config):
-    cfg = TransportConfig(address=address, checksum_mode="manifest", inline_bytes=0, **config)
+    config = {"inline_bytes": 0, **config}
+    cfg = TransportConfig(address=address, checksum_mode="manifest", **config)
     return ZmqSender(src.storage.layout.fingerprint(), cfg, advert=ShmAdvert(src.storage) if advert else None)
 
 
@@ -133,6 +134,26 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
         far = src.storage.data.numel() * src.storage.data.element_size()  # the pool's end
         _pull_refused(tx, served, ex, [far] * len(ex.manifest.frames), E.MalformedMessage, before)
         ex.release()
+    finally:
+        tx.close()
+        served.stop()
+
+
+def test_a_payload_up_to_inline_bytes_is_pushed_behind_its_manifest(monkeypatch):
+    # one round trip: a pull would add the offsets, the checksums and a read
+    from transfer import zmq_channel
+
+    src = _source()
+    served = Served(make_manager(LAYOUT, 64))
+    tx = _sender(src, served.rx.address, inline_bytes=256 << 10)
+    assert src.table("a").num_computed * LAYOUT.token_bytes <= 256 << 10
+    monkeypatch.setattr(zmq_channel, "_Pulled", lambda *a: pytest.fail("a small payload was pulled"))
+    try:
+        tx.connect()
+        tx.migrate(src, "a", "r1", 1)
+        assert tx.channel.pull  # the receiver accepted the pool: the size alone decided
+        assert served.next().request_id == "r1"
+        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
     finally:
         tx.close()
         served.stop()
