@@ -112,8 +112,7 @@ def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_
         tx.connect()
         tx.migrate(src, "a", "r1", 1, dedupe=False)
         assert not tx.channel.pull
-        assert served.next().request_id == "r1"
-        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
+        _landed_intact(served, src)
     finally:
         tx.close()
         served.stop()
@@ -152,8 +151,7 @@ def test_a_payload_up_to_inline_bytes_is_pushed_behind_its_manifest(monkeypatch)
         tx.connect()
         tx.migrate(src, "a", "r1", 1)
         assert tx.channel.pull  # the receiver accepted the pool: the size alone decided
-        assert served.next().request_id == "r1"
-        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
+        _landed_intact(served, src)
     finally:
         tx.close()
         served.stop()
@@ -184,12 +182,17 @@ def test_checksums_sent_after_the_offsets_are_verified_against_what_landed(stage
         sock.send_multipart([TOKEN.pack(b"M", 10), seal(encode(ex.manifest))])
         sock.send_multipart([TOKEN.pack(b"P", 10), encode_offsets(offsets)])
         sock.send_multipart([TOKEN.pack(b"K", 10), encode_offsets(sums)])
-        assert served.next().request_id == "r1"
-        assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
+        _landed_intact(served, src)
         ex.release()
     finally:
         tx.close()
         served.stop()
+
+
+def _landed_intact(served, src):
+    """The receiver committed "r1", holding exactly the K/V of `src`'s sequence "a"."""
+    assert served.next().request_id == "r1"
+    assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
 
 
 def _pull_refused(tx, served, ex, offsets, error, before, sums=None, token=7, order="PK"):
