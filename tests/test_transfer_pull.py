@@ -189,6 +189,40 @@ def test_checksums_sent_after_the_offsets_are_verified_against_what_landed(stage
         served.stop()
 
 
+def test_checksums_after_a_declined_re_offer_fail_the_transfer(tmp_path):
+    # the pool was offered again between the offsets and the checksums, and declined: nothing is
+    # left to read the staged chunks from, so "K" fails the transfer (the pool as it was)
+    import time
+
+    from transfer.codec import decode
+    from transfer.messages import PoolReply
+
+    src = _source()
+    served = Served(make_manager(LAYOUT, 64))
+    served.rx.stage = True  # read at "K", not at "P"
+    tx = _sender(src, served.rx.address)
+    try:
+        tx.connect()
+        tx.channel.offer_pool()
+        before = snapshot(served.manager)
+        ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="inline"))
+        sums = [checksum(v) for _, _, v, _ in ex.chunks()]
+        sock = tx.channel.sock
+        sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
+        sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets(ShmAdvert(src.storage).offsets(ex.frames))])
+        elsewhere = encode(PoolOffer("shm", str(tmp_path / "pdserve-kv-nothere").encode()))
+        reply = tx.channel.request("pool", elsewhere, time.monotonic() + 5)
+        assert not decode(reply, tx.config.limits, PoolReply).accepted
+        sock.send_multipart([TOKEN.pack(b"K", 7), encode_offsets(sums)])
+        assert isinstance(served.next(), E.MalformedMessage)
+        assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
+        assert snapshot(served.manager) == before
+        ex.release()
+    finally:
+        tx.close()
+        served.stop()
+
+
 def _landed_intact(served, src):
     """The receiver committed "r1", holding exactly the K/V of `src`'s sequence "a"."""
     assert served.next().request_id == "r1"
