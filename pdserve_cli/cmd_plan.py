@@ -82,6 +82,9 @@ def run(args) -> int:
     from bench.serve_metrics import SLO
     from coordinator.config import ClusterConfig
 
+    if args.validate and (args.trace or args.prompt or args.output):
+        print("--validate serves one of bench serve's presets (--preset), not a trace or --prompt/--output")
+        return 2
     with open(args.profile) as f:
         model = from_profile(json.load(f), args.contention)
     s = SLO()
@@ -108,7 +111,7 @@ def run(args) -> int:
         from bench.plan.validate import format_validate, run_validate
 
         v = run_validate(model, args.rates, args.validate_requests, slo, model.contention or 1.0,
-                         log=lambda m: print(m, flush=True))
+                         log=lambda m: print(m, flush=True), preset=args.preset or "mixed")
         print("\nvalidation (bench serve here, beside the model), ms and req/s")
         print(format_validate(v))
         out["validate"] = v

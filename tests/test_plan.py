@@ -244,10 +244,11 @@ def test_serving_stretch_from_free_cores():
     assert from_profile({"fits": fits}).serving_stretch(5) == 1.0  # cores unknown: no stretch
 
 
-def test_resimulate_predicts_a_saved_validation_again():
+@pytest.mark.parametrize("preset", [None, "short-prompt-long-output"])
+def test_resimulate_predicts_a_saved_validation_again(preset):
     # a saved `plan --validate` (two cells; one kept its per-request SLO flags, one predates them):
     # the measured cells stay as they were, the predictions are the new model's on the very
-    # requests bench serve sent for that seed
+    # requests bench serve sent for that seed and preset (saves without one ran "mixed")
     from bench.plan.metrics import summarize
     from bench.plan.validate import SETUPS, _serve_config, resimulate
     from bench.plan.workload import from_specs
@@ -255,14 +256,18 @@ def test_resimulate_predicts_a_saved_validation_again():
 
     m = synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.02, decode_fixed_ms=1.0, decode_ms_per_seq=0.1)
     cell = {"ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": 2.0, "tpot_p99": 3.0, "goodput": 1.5}
-    saved = {"serve_config": {"rates": [2.0], "num_requests": 12}, "slo": {"ttft_ms": 50.0, "tpot_ms": 5.0},
+    sc = {"rates": [2.0], "num_requests": 12, **({"preset": preset} if preset else {})}
+    saved = {"serve_config": sc, "slo": {"ttft_ms": 50.0, "tpot_ms": 5.0},
              "rows": [{"mode": "colocated", "rate": 2.0, "measured": cell, "slo_met": [True] * 12,
                        "duration": 6.0},
                       {"mode": "disaggregated", "rate": 2.0, "measured": {**cell, "goodput": 1.0}}],
              "unloaded": {"colocated": {"measured_ttft_p50": 10.0}}}
     v = resimulate(m, saved, contention=0.5)
-    cfg = _serve_config([2.0], 12, SLO(ttft_ms=50.0, tpot_ms=5.0))
+    cfg = _serve_config([2.0], 12, SLO(ttft_ms=50.0, tpot_ms=5.0), preset or "mixed")
     reqs = from_specs(_requests(cfg, 2.0, 12, cfg.seed + 1))
+    other = _serve_config([2.0], 12, SLO(), "mixed" if preset else "short-prompt-long-output")
+    assert [r.prompt_tokens for r in reqs] != [r.prompt_tokens for r in
+                                                 from_specs(_requests(other, 2.0, 12, other.seed + 1))]
     for row in v["rows"]:
         sim = replace(SETUPS[row["mode"]], step_budget=cfg.step_budget, block_size=cfg.block_size,
                       num_blocks=cfg.num_blocks)

@@ -31,3 +31,12 @@ def test_plan_cli_trace_json_and_plot(tmp_path, capsys):
     assert plan["threshold"] == {"local_prefill_max_tokens": default, "profile_crossover": 75}
     assert all(p["requests"] == 20 for c in plan["budgets"]["2"]["configs"] for p in c["points"])
     assert out_png.stat().st_size > 0
+
+
+def test_validate_refuses_a_workload_bench_serve_cannot_replay(tmp_path, capsys):
+    # --validate serves a bench serve preset: with a trace it would have measured another workload
+    prof, trace = tmp_path / "profile.json", tmp_path / "trace.json"
+    prof.write_text(json.dumps({"fits": FITS, "decode": [], "config": {"block_size": 16}}))
+    trace.write_text(json.dumps({"requests": [{"arrival_s": 0.0, "prompt_tokens": 40, "output_tokens": 8}]}))
+    rc = main(["plan", "--profile", str(prof), "--trace", str(trace), "--validate"])
+    assert rc == 2 and "not a trace" in capsys.readouterr().out

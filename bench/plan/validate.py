@@ -1,6 +1,7 @@
 """`pdserve plan --validate`: the configurations that fit this machine (colocated 2, 1P+1D, 1P+1D
 with per-request decisions) served for real by `bench serve` (its functions in-process: the tiny
-model, the same cluster settings, a short run per rate) and simulated on the very same requests
+model, the same cluster settings, the plan's bench serve preset, mixed unless --preset, a short
+run per rate) and simulated on the very same requests
 (bench serve's request specs, shared prefixes recognised), so predicted and measured TTFT p50/p99,
 TPOT p50/p99 and goodput sit side by side per configuration and rate, each prediction twice: the
 model as loaded (the profile's contention unless --contention) and a what-if with the given
@@ -86,18 +87,19 @@ def ranking_matches(pairs: list[dict]) -> bool:
     return all(p["same_order"] for p in pairs if p.get("significant", True))
 
 
-def _serve_config(rates, num_requests: int, slo):
+def _serve_config(rates, num_requests: int, slo, preset: str = "mixed"):
     from bench.serve import ServeBenchConfig
 
     return ServeBenchConfig(modes=tuple(SETUPS), streamed=(True,), rates=tuple(rates),
-                            num_requests=num_requests, preset="mixed", overhead_requests=4, warmup_requests=2,
+                            num_requests=num_requests, preset=preset, overhead_requests=4, warmup_requests=2,
                             slo=slo, quick=True, detailed=True)
 
 
-def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print) -> dict:
+def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print,
+                 preset: str = "mixed") -> dict:
     from bench.serve import run_bench
 
-    cfg = _serve_config(rates, num_requests, slo)
+    cfg = _serve_config(rates, num_requests, slo, preset)
     report = run_bench(cfg, log=log)
     measured = [{"mode": r["mode"], "rate": r["rate"], "measured": _pick(r), "slo_met": r["slo_met"],
                  "duration": r["duration"], "measured_paths": r.get("paths", {}),
@@ -116,7 +118,7 @@ def resimulate(model: StepModel, saved: dict, contention: float) -> dict:
 
     sc = saved["serve_config"]
     slo = SLO(**{k: v for k, v in saved["slo"].items() if k in SLO.__dataclass_fields__})
-    cfg = _serve_config(sc["rates"], sc["num_requests"], slo)
+    cfg = _serve_config(sc["rates"], sc["num_requests"], slo, sc.get("preset", "mixed"))
     measured = [{k: r.get(k) for k in ("mode", "rate", "measured", "slo_met", "duration", "measured_paths",
                                        "requests")}
                 for r in saved["rows"]]
