@@ -5,6 +5,8 @@ outside the offered pool, or offsets on a connection whose pool was never accept
 transfer with the receiver's pool exactly as it was; checksums sent after the offsets ("K", hashed
 while the receiver reads) are checked against what landed, staged or not."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,9 +41,7 @@ def _sender(src, address, advert="shm", **config):
 @pytest.mark.parametrize("plane", ["stream", "zmq"])
 def test_same_node_pool_is_read_in_place(plane):
     src = _source()
-    served = Served(make_manager(LAYOUT, 64), data_plane=plane)
-    tx = _sender(src, served.rx.address, data_plane=plane)
-    try:
+    with _linked(src, data_plane=plane) as (served, tx):
         tx.connect()
         ack = tx.migrate(src, "a", "r1", 1, dedupe=False)
         assert tx.channel.pull  # the receiver mapped our pool file (offered at the first transfer)
@@ -51,9 +51,6 @@ def test_same_node_pool_is_read_in_place(plane):
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
         stream = tx.channel.stream
         assert stream is None or stream.sock is None  # nothing went on the data stream
-    finally:
-        tx.close()
-        served.stop()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -81,9 +78,7 @@ def test_copies_land_the_same_bytes_and_report_their_checksums(threads, monkeypa
 
 def test_a_pool_changed_after_its_manifest_fails_the_checksum_and_leaves_the_pool_as_it_was():
     src = _source()
-    served = Served(make_manager(LAYOUT, 64))
-    tx = _sender(src, served.rx.address)
-    try:
+    with _linked(src) as (served, tx):
         tx.connect()
         tx.channel.offer_pool()
         before = snapshot(served.manager)
@@ -93,9 +88,6 @@ def test_a_pool_changed_after_its_manifest_fails_the_checksum_and_leaves_the_poo
         src.storage.block_bytes_view(first, 1)[3] ^= 1  # a byte of the first sent block, after hashing
         _pull_refused(tx, served, ex, ShmAdvert(src.storage).offsets(ex.frames), E.ChecksumError, before)
         ex.release()
-    finally:
-        tx.close()
-        served.stop()
 
 
 def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_path):
@@ -121,9 +113,7 @@ def test_an_offer_the_receiver_cannot_open_is_declined_and_bytes_are_pushed(tmp_
 @pytest.mark.parametrize("offer", [True, False])
 def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
     src = _source()
-    served = Served(make_manager(LAYOUT, 64))
-    tx = _sender(src, served.rx.address, advert="shm" if offer else None)
-    try:
+    with _linked(src, advert="shm" if offer else None) as (served, tx):
         tx.connect()
         if offer:
             tx.channel.offer_pool()  # what its first transfer would do
@@ -133,9 +123,6 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
         far = src.storage.data.numel() * src.storage.data.element_size()  # the pool's end
         _pull_refused(tx, served, ex, [far] * len(ex.manifest.frames), E.MalformedMessage, before)
         ex.release()
-    finally:
-        tx.close()
-        served.stop()
 
 
 def test_a_payload_up_to_inline_bytes_is_pushed_behind_its_manifest(monkeypatch):
@@ -143,18 +130,13 @@ def test_a_payload_up_to_inline_bytes_is_pushed_behind_its_manifest(monkeypatch)
     from transfer import zmq_channel
 
     src = _source()
-    served = Served(make_manager(LAYOUT, 64))
-    tx = _sender(src, served.rx.address, inline_bytes=256 << 10)
     assert src.table("a").num_computed * LAYOUT.token_bytes <= 256 << 10
     monkeypatch.setattr(zmq_channel, "_Pulled", lambda *a: pytest.fail("a small payload was pulled"))
-    try:
+    with _linked(src, inline_bytes=256 << 10) as (served, tx):
         tx.connect()
         tx.migrate(src, "a", "r1", 1)
         assert tx.channel.pull  # the receiver accepted the pool: the size alone decided
         _landed_intact(served, src)
-    finally:
-        tx.close()
-        served.stop()
 
 
 @pytest.mark.parametrize("staged", [False, True])
@@ -162,10 +144,7 @@ def test_checksums_sent_after_the_offsets_are_verified_against_what_landed(stage
     # an "inline" manifest: the receiver reads at "P" (staged: once the sums are here) and checks
     # every chunk against the "K" sums; good sums commit bit-exact, a bad one fails it
     src = _source(tokens=150)
-    served = Served(make_manager(LAYOUT, 64))
-    served.rx.stage = staged  # chunks land in staging first (as for a device pool), one at a time
-    tx = _sender(src, served.rx.address, chunk_bytes=8 << 10)
-    try:
+    with _linked(src, stage=staged, chunk_bytes=8 << 10) as (served, tx):  # staged: as a device pool's
         tx.connect()
         assert tx.export_config(src.storage).checksum_mode == "inline"
         before = snapshot(served.manager)
@@ -184,9 +163,6 @@ def test_checksums_sent_after_the_offsets_are_verified_against_what_landed(stage
         sock.send_multipart([TOKEN.pack(b"K", 10), encode_offsets(sums)])
         _landed_intact(served, src)
         ex.release()
-    finally:
-        tx.close()
-        served.stop()
 
 
 def test_checksums_after_a_declined_re_offer_fail_the_transfer(tmp_path):
@@ -198,26 +174,32 @@ def test_checksums_after_a_declined_re_offer_fail_the_transfer(tmp_path):
     from transfer.messages import PoolReply
 
     src = _source()
-    served = Served(make_manager(LAYOUT, 64))
-    served.rx.stage = True  # read at "K", not at "P"
-    tx = _sender(src, served.rx.address)
-    try:
+    with _linked(src, stage=True) as (served, tx):  # read at "K", not at "P"
         tx.connect()
         tx.channel.offer_pool()
         before = snapshot(served.manager)
         ex = export_sequence(src, "a", "r1", 1, config=ExportConfig(checksum_mode="inline"))
         sums = [checksum(v) for _, _, v, _ in ex.chunks()]
-        sock = tx.channel.sock
-        sock.send_multipart([TOKEN.pack(b"M", 7), seal(encode(ex.manifest))])
-        sock.send_multipart([TOKEN.pack(b"P", 7), encode_offsets(ShmAdvert(src.storage).offsets(ex.frames))])
-        elsewhere = encode(PoolOffer("shm", str(tmp_path / "pdserve-kv-nothere").encode()))
-        reply = tx.channel.request("pool", elsewhere, time.monotonic() + 5)
-        assert not decode(reply, tx.config.limits, PoolReply).accepted
-        sock.send_multipart([TOKEN.pack(b"K", 7), encode_offsets(sums)])
-        assert isinstance(served.next(), E.MalformedMessage)
-        assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", 7)  # nacked
-        assert snapshot(served.manager) == before
+
+        def re_offer():
+            elsewhere = encode(PoolOffer("shm", str(tmp_path / "pdserve-kv-nothere").encode()))
+            reply = tx.channel.request("pool", elsewhere, time.monotonic() + 5)
+            assert not decode(reply, tx.config.limits, PoolReply).accepted
+
+        offsets = ShmAdvert(src.storage).offsets(ex.frames)
+        _pull_refused(tx, served, ex, offsets, E.MalformedMessage, before, sums=sums, before_sums=re_offer)
         ex.release()
+
+
+@contextlib.contextmanager
+def _linked(src, advert="shm", stage=False, **config):
+    """A receiver of a 64-block pool served on a thread (`stage`: its chunks land in staging first,
+    one at a time, as for a device pool) and a sender from `src` to it (`_sender`); both closed after."""
+    served = Served(make_manager(LAYOUT, 64), **{k: config[k] for k in ("data_plane",) if k in config})
+    served.rx.stage = stage
+    tx = _sender(src, served.rx.address, advert, **config)
+    try:
+        yield served, tx
     finally:
         tx.close()
         served.stop()
@@ -229,15 +211,17 @@ def _landed_intact(served, src):
     assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
 
 
-def _pull_refused(tx, served, ex, offsets, error, before, sums=None, token=7, order="PK"):
-    """Send `ex`'s manifest, then `offsets` in the sender's pool (and `sums`, "K", in `order`), on
-    tx's control socket: the receiver fails the transfer with `error`, nacks it and leaves its
-    pool as `before`."""
+def _pull_refused(tx, served, ex, offsets, error, before, sums=None, token=7, order="PK", before_sums=None):
+    """Send `ex`'s manifest, then `offsets` in the sender's pool (and `sums`, "K", in `order`; called
+    just before them: `before_sums`), on tx's control socket: the receiver fails the transfer with
+    `error`, nacks it and leaves its pool as `before`."""
     sock = tx.channel.sock
     sock.send_multipart([TOKEN.pack(b"M", token), seal(encode(ex.manifest))])
     msgs = {"P": [TOKEN.pack(b"P", token), encode_offsets(offsets)],
             "K": [TOKEN.pack(b"K", token), encode_offsets(sums or [])]}
     for kind in order if sums is not None else "P":
+        if kind == "K" and before_sums is not None:
+            before_sums()
         sock.send_multipart(msgs[kind])
     assert isinstance(served.next(), error)
     assert sock.poll(5000) and sock.recv_multipart()[0] == TOKEN.pack(b"A", token)  # nacked
