@@ -75,8 +75,8 @@ def read_ahead(session, source, data, threads: int = 1) -> list[int] | None:
     targets = session.direct_targets()
     if targets is None:
         return None
-    offsets = _offsets(session.manifest, data)
-    return _landed(source, _items(session.manifest, targets, offsets), threads)
+    offsets, cb = _offsets(session.manifest, data), session.manifest.chunk_bytes
+    return _landed(source, [(offsets[f] + c * cb, bufs) for f, c, _, bufs in targets], threads)
 
 
 def land_pulled(session, source, data, threads: int = 1, sums=None, landed=None) -> None:
@@ -89,11 +89,10 @@ def land_pulled(session, source, data, threads: int = 1, sums=None, landed=None)
     m = session.manifest
     offsets = _offsets(m, data)
     expect = _expected(session, sums)
-    targets = session.direct_targets()
-    if targets is not None:  # straight into the reserved blocks: one read for the whole payload
-        if landed is None:
-            landed = _landed(source, _items(m, targets, offsets), threads)
-        for i, ((f, c, nbytes, bufs), digest) in enumerate(zip(targets, landed)):
+    if landed is None:
+        landed = read_ahead(session, source, data, threads)
+    if landed is not None:  # straight into the reserved blocks: one read for the whole payload
+        for i, ((f, c, nbytes, bufs), digest) in enumerate(zip(session.direct_targets(), landed)):
             session.chunk_buffers(f, c)  # then each chunk verified in order, as if it had arrived
             session.chunk_done(f, c, nbytes, bufs, expect[i], landed_checksum=digest)
         return
@@ -125,10 +124,6 @@ def _expected(session, sums) -> list:
     if memoryview(sums).nbytes != 8 * chunks:
         raise FrameCountError(f"{memoryview(sums).nbytes // 8} checksums for {chunks} chunks")
     return np.frombuffer(sums, dtype="<u8").tolist()
-
-
-def _items(m, targets, offsets) -> list:
-    return [(offsets[f] + c * m.chunk_bytes, bufs) for f, c, _, bufs in targets]
 
 
 def _landed(source, items, threads: int) -> list[int]:
