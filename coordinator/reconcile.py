@@ -8,7 +8,11 @@ queued command only in its next reports, so neither time nor one report alone is
 - `orphan`: the worker holds blocks for a request that is not live, or not assigned to it:
   repaired by aborting the request on that worker (its blocks are freed);
 - `vanished`: the ledger says the worker is responsible for a live request (prefilling on it,
-  or decoding on it) but the worker no longer lists it: the request is failed loudly;
+  or decoding on it), the worker listed it under the request's current epoch, and lists it no
+  more: the request is failed loudly. A request the worker has not listed yet has not vanished:
+  its command may still wait in the worker's actor queue (Ray delivers it behind slower calls,
+  seconds late on a loaded machine) or in the loop's queue behind a long step, and the
+  coordinator's event timeout bounds a command that never arrives;
 - `unowned`: the worker's used blocks exceed what its requests account for (a leak inside the
   worker): counted and logged; only the worker can free them.
 """
@@ -29,6 +33,7 @@ class Reconciler:
         """count(kind): called once per discrepancy that outlived grace_s."""
         self.ledger, self.grace_s, self.count = ledger, grace_s, count
         self._since: dict[tuple[str, str, str], list] = {}  # (kind, worker, request) -> [first seen, reports]
+        self._listed: dict[tuple[str, str], int] = {}  # (worker, request) -> epoch it was last listed under
 
     def check(self, worker: str, role: str, stats: dict, holdings: dict[str, int],
               assigned: dict[str, set[str]]) -> tuple[list[str], list[str]]:
@@ -36,12 +41,20 @@ class Reconciler:
         abort on `worker` (orphans) and the requests to fail (their blocks vanished)."""
         now, seen = time.monotonic(), set()
         orphans = [rid for rid in holdings if worker not in assigned.get(rid, ())]
-        vanished = []
+        vanished, live = [], set()
         for entry in self.ledger.active():
+            key = (worker, entry.request_id)
+            live.add(key)
             responsible = entry.owner == worker and (
                 entry.phase is Phase.DECODING or (entry.phase is Phase.PREFILLING and role == "prefill"))
-            if responsible and entry.request_id not in holdings:
+            if not responsible:
+                continue
+            if entry.request_id in holdings:
+                self._listed[key] = entry.epoch
+            elif self._listed.get(key) == entry.epoch:
                 vanished.append(entry.request_id)
+        for key in [k for k in self._listed if k[0] == worker and k not in live]:
+            del self._listed[key]  # finished or failed: nothing left to vanish
         unowned = int(stats.get("used_blocks", 0)) - sum(holdings.values())
         found = [("orphan", rid) for rid in orphans] + [("vanished", rid) for rid in vanished]
         if unowned > 0:
@@ -67,3 +80,5 @@ class Reconciler:
     def forget_worker(self, worker: str) -> None:
         for key in [k for k in self._since if k[1] == worker]:
             del self._since[key]
+        for key in [k for k in self._listed if k[0] == worker]:
+            del self._listed[key]

@@ -43,6 +43,7 @@ def test_reconciler_counts_and_repairs_only_what_outlives_the_grace(monkeypatch)
         led.open(rid)
         led.move(rid, Phase.DECODING, "d0")
     assigned = {"live": {"p0", "d0"}, "gone": {"p0", "d0"}}
+    assert reconciler.check("d0", "decode", {"used_blocks": 5}, {"live": 4, "gone": 1}, assigned) == ([], [])
     holdings = {"live": 4, "ghost": 2}  # "gone" vanished from d0; "ghost" is nobody's request
     stats = {"used_blocks": 7}          # and one block no request accounts for
     assert reconciler.check("d0", "decode", stats, holdings, assigned) == ([], [])
@@ -105,3 +106,33 @@ def test_reconciler_waits_for_reports_not_only_time(monkeypatch):
     assert reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned) == ([], [])
     assert reconciler.check("p0", "prefill", {"used_blocks": 0}, {"queued": 0}, assigned) == ([], [])
     assert counted == []
+
+
+def test_a_request_its_worker_never_listed_has_not_vanished(monkeypatch):
+    """Ray delivers a Submit behind slower calls, seconds late on a loaded machine, while the worker
+    keeps reporting: until the worker lists the request under its current epoch, nothing vanished.
+    Listed once, then missing from three reports over more than the grace: vanished."""
+    import coordinator.reconcile as rec
+
+    now = [0.0]
+    monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
+    led, counted = Ledger(), []
+    reconciler = rec.Reconciler(led, grace_s=1.0, count=counted.append)
+    led.open("late")
+    led.move("late", Phase.PREFILLING, "p0")
+    assigned = {"late": {"p0", "d0"}}
+    for _ in range(10):  # five seconds of reports without it
+        now[0] += 0.5
+        assert reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned) == ([], [])
+    assert counted == []
+    assert reconciler.check("p0", "prefill", {"used_blocks": 2}, {"late": 2}, assigned) == ([], [])
+    results = []
+    for _ in range(3):
+        now[0] += 0.6
+        results.append(reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned))
+    assert results == [([], []), ([], []), ([], ["late"])] and counted == ["vanished"]
+    # a retry under a new epoch on the same worker starts unlisted again
+    led.move("late", Phase.PREFILLING, "p0")
+    now[0] += 5
+    later = [reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned) for _ in range(3)]
+    assert later == [([], [])] * 3
