@@ -1,11 +1,12 @@
 """Where a GGUF decode step's time goes, kernel by itself: `python -m bench.gguf_kernel [--threads T]
 [--json F]`. One single-row pass over SmolLM2-135M's decoder matrices (30 layers of q, k, v, o,
-gate, up, down as Q4_1 blocks of random bytes with sane scales, 66 MB, laid out one after another
-as the arena holds them) through engine.cpu_gguf.gemv, against a plain read of the same bytes
-(torch sum, the same threads), and the same kernel on one 1536 x 576 matrix called again and again
-(553 KB: it stays in L2), per 32-weight block of one row. If the pass over DRAM runs at the L2
-rate, the kernel's arithmetic sets the pace, not the memory; if it runs well under it, the loads
-do. Alternating repeats, medians; JSON records where it ran (bench.machine)."""
+gate, up, down as Q4_1 blocks of random bytes with sane scales, 66 MB, packed as the engine packs
+them and laid out one after another as the arena holds them) through engine.cpu_gguf.GgufLinear,
+against a plain read of the same bytes (torch sum, the same threads), and the same kernel on one
+1536 x 576 matrix called again and again (553 KB: it stays in L2), per 32-weight block of one
+row. If the pass over DRAM runs at the L2 rate, the kernel's arithmetic sets the pace, not the
+memory; if it runs well under it, the loads do. Alternating repeats, medians; JSON records where
+it ran (bench.machine)."""
 
 from __future__ import annotations
 
@@ -29,46 +30,46 @@ def _blocks(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 def run(threads: int = 1, repeats: int = 9, json_path: str | None = None) -> dict:
     from bench import machine
-    from engine.cpu_gguf import gemv
+    from engine.cpu_gguf import GgufLinear
 
     torch.set_num_threads(threads)
     where = machine.describe()
     print(machine.summary(where), flush=True)
     gen = torch.Generator().manual_seed(0)
-    mats = [_blocks(n, k, gen) for n, k in SHAPES]
-    arena = torch.cat([m.reshape(-1) for m in mats])  # one allocation, matrices back to back
-    views, at = [], 0
-    for m in mats:
-        views.append(arena[at:at + m.numel()].view(m.shape))
-        at += m.numel()
-    del mats
+    lins = [GgufLinear(_blocks(n, k, gen), "Q4_1", None) for n, k in SHAPES]  # packed, as the engine's
+    arena = torch.cat([lin.weight.reshape(-1) for lin in lins])  # one allocation, matrices back to back
+    at = 0
+    for lin in lins:
+        shape = lin.weight.shape
+        lin.weight = arena[at:at + lin.weight.numel()].view(shape)
+        at += lin.weight.numel()
     nbytes, blocks = arena.numel(), sum(n * k // 32 for n, k in SHAPES)
     xs = {k: torch.randn(1, k, generator=gen) for k in (576, 1536)}
-    small, x_small = views[4], xs[576]  # gate: 1536 x 576
+    small, x_small = lins[4], xs[576]  # gate: 1536 x 576
     small_calls = 200
     as_i64 = arena[: nbytes // 8 * 8].view(torch.int64)
     t = {"dram_pass": [], "read": [], "l2_call": []}
     for _ in range(repeats):  # alternating
         t0 = time.perf_counter()
-        for w in views:
-            gemv(xs[w.shape[1] // 20 * 32], w, "Q4_1")
+        for lin in lins:
+            lin(xs[lin.in_features])
         t["dram_pass"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         as_i64.sum()
         t["read"].append(time.perf_counter() - t0)
-        gemv(x_small, small, "Q4_1")
+        small(x_small)
         t0 = time.perf_counter()
         for _ in range(small_calls):
-            gemv(x_small, small, "Q4_1")
+            small(x_small)
         t["l2_call"].append((time.perf_counter() - t0) / small_calls)
     med = {k: statistics.median(v) for k, v in t.items()}
-    small_blocks = small.shape[0] * small.shape[1] // 20
+    small_blocks = small.weight.numel() // 20
     out = {"machine": where, "threads": threads, "repeats": repeats, "bytes": nbytes,
            "dram_pass_ms": med["dram_pass"] * 1e3, "dram_gb_per_s": nbytes / med["dram_pass"] / 1e9,
            "dram_ns_per_block_row": med["dram_pass"] / blocks * 1e9,
            "plain_read_gb_per_s": nbytes / med["read"] / 1e9,
            "l2_ns_per_block_row": med["l2_call"] / small_blocks * 1e9,
-           "l2_gb_per_s": small.numel() / med["l2_call"] / 1e9, "samples_s": t}
+           "l2_gb_per_s": small.weight.numel() / med["l2_call"] / 1e9, "samples_s": t}
     print(f"{threads} thread(s): one pass over {nbytes / 1e6:.0f} MB of Q4_1 blocks "
           f"{out['dram_pass_ms']:.2f} ms ({out['dram_gb_per_s']:.1f} GB/s, "
           f"{out['dram_ns_per_block_row']:.2f} ns a block-row); a plain read of the same bytes "

@@ -3,18 +3,20 @@
 A GGUF file stores each matrix row as blocks of 32 weights: Q4_1 in 20 bytes (f16 d, f16 m, 16
 bytes of nibbles: low nibbles are elements 0..15, high nibbles 16..31; value d * q + m), Q8_0 in
 34 (f16 d, 32 int8; value d * q). engine/csrc/gguf_gemv.c (built by engine.cpu_kernels) reads
-those bytes (5.1x / 3.8x fewer than float32), widens each block in registers to exactly the
-float32 values the `gguf` package's dequantize gives, and sums in float32, so its result is the
-float32 product up to summation order. `gemv` is the launcher (it checks dtypes, shapes and
-strides); `dequantize` is the same widening in torch and `reference` the product in float64, for
-the tests. `GgufLinear` holds one matrix's blocks (a block never spans rows, so a fused
-projection is its parts' rows stacked) and serves x (M, K) for M up to `max_rows`, like
-engine.cpu_lowp.LowpLinear; engine.weight_format builds them for `--weights gguf`.
+those bytes (5.1x / 3.8x fewer than float32), `pack`ed sixteen rows at a time (the same bytes
+moved so that a vector lane is a weight row: see the C file), widens each weight in registers to
+exactly the float32 value the `gguf` package's dequantize gives, and sums in float32, so its
+result is the float32 product up to summation order. `gemv` is the launcher (it checks dtypes,
+shapes and strides, and packs the blocks it is given: the tests' way); `dequantize` is the same
+widening in torch and `reference` the product in float64, for the tests. `GgufLinear` holds one
+matrix's blocks, packed once (a block never spans rows, so a fused projection is its parts' rows
+stacked) and serves x (M, K) for M up to `max_rows`, like engine.cpu_lowp.LowpLinear;
+engine.weight_format builds them for `--weights gguf`.
 With `act="q8"` the rows of x are first rounded to blocks of 32 int8 codes and one float32 scale
 (llama.cpp's Q8_1) and engine/csrc/gguf_q8.c sums integer products (vpdpbusd / vpmaddubsw): two
 float operations a block instead of eight to twelve, the product of the same weights with the
-rounded x. `quantize_q8` gives those codes, and `reference(..., act="q8")` the float64 product
-they stand for.
+rounded x (it reads the blocks as the file has them, unpacked). `quantize_q8` gives those codes,
+and `reference(..., act="q8")` the float64 product they stand for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from engine import cpu_kernels
 
 BLOCK = 32  # weights per block
+GROUP = 16  # rows packed together for the f32-activation kernel (one vector lane each)
 TYPES = {"Q4_1": 20, "Q8_0": 34}  # GGML type name -> bytes per block
 ACTS = {"f32": "gguf_gemv", "q8": "gguf_q8"}  # how x enters the sums -> its kernel library
 # x rows up to which the kernels beat oneDNN on the float32 weights (5.6x the bytes): SmolLM2's
@@ -56,6 +59,24 @@ def row_bytes(qtype: str, in_features: int) -> int:
     if in_features % BLOCK:
         raise ValueError(f"{qtype} rows hold multiples of {BLOCK} weights, not {in_features}")
     return in_features // BLOCK * TYPES[qtype]
+
+
+def pack(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Blocks w (N, row bytes) uint8 -> the same bytes (ceil(N / 16) * 16, row bytes) in the f32
+    kernel's layout: per group of 16 rows (the last one padded with zero blocks) and block column,
+    the rows' d (16 f16), Q4_1's m (16 f16), then their codes with rows innermost (Q4_1: byte p of
+    each row for p = 0..15; Q8_0: code k of each row for k = 0..31)."""
+    N, rb = w.shape
+    size = TYPES[qtype]
+    nb, G = rb // size, -(-N // GROUP)
+    blocks = w.reshape(N, nb, size)
+    if N % GROUP:
+        blocks = torch.cat([blocks, blocks.new_zeros(G * GROUP - N, nb, size)])
+    blocks = blocks.view(G, GROUP, nb, size).permute(0, 2, 1, 3)  # (G, nb, 16 rows, block bytes)
+    scales = 4 if qtype == "Q4_1" else 2
+    parts = [blocks[..., at:at + 2].reshape(G, nb, 2 * GROUP) for at in range(0, scales, 2)]  # d (, m)
+    codes = blocks[..., scales:].transpose(2, 3).reshape(G, nb, -1)  # (G, nb, codes x 16 rows)
+    return torch.cat(parts + [codes], dim=-1).reshape(G * GROUP, rb).contiguous()
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None,
@@ -89,7 +110,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None
     M, N, K = _check(x, w, qtype, bias, out)
     fn = _kernel(qtype, act)
     out = torch.empty(M, N, dtype=torch.float32) if out is None else out
-    if M and N and fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
+    ws = w.stride(0)
+    if act == "f32" and M and N:
+        w = pack(w, qtype)
+        ws = GROUP * w.stride(0)
+    if M and N and fn(x.data_ptr(), x.stride(0), w.data_ptr(), ws,
                       None if bias is None else bias.data_ptr(), M, N, K, out.data_ptr(), out.stride(0),
                       torch.get_num_threads()):
         raise MemoryError(f"no scratch memory for {M} x {K} int8 codes")
@@ -153,7 +178,7 @@ class GgufLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         _check(torch.empty(0, self.in_features), blocks, qtype, self.bias, None)
         self._fn = _kernel(qtype, act)
-        self.weight = blocks.contiguous()
+        self.weight = pack(blocks, qtype) if act == "f32" else blocks.contiguous()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -161,14 +186,17 @@ class GgufLinear:
 
     @weight.setter
     def weight(self, blocks: torch.Tensor) -> None:
-        """The blocks (or a contiguous copy of them, e.g. moved into an engine.arena mapping)."""
-        shape = (self.out_features, row_bytes(self.qtype, self.in_features))
+        """The blocks as the kernel reads them (packed for act f32), or a contiguous copy of them,
+        e.g. moved into an engine.arena mapping."""
+        rows = -(-self.out_features // GROUP) * GROUP if self.act == "f32" else self.out_features
+        shape = (rows, row_bytes(self.qtype, self.in_features))
         if blocks.dtype != torch.uint8 or blocks.shape != shape or not blocks.is_contiguous() \
                 or blocks.device.type != "cpu":
             raise ValueError("GgufLinear weight blocks must keep their dtype, shape and contiguity on CPU")
         self._weight = blocks
         bias = None if self.bias is None else self.bias.data_ptr()
-        self._args = (blocks.data_ptr(), blocks.stride(0), bias)
+        stride = blocks.stride(0) * (GROUP if self.act == "f32" else 1)  # packed: bytes per group of rows
+        self._args = (blocks.data_ptr(), stride, bias)
 
     def c_gemv(self) -> tuple[int, int, int, int | None, int, int]:
         """(C function address, weight address, row stride, bias address or None, N, K) for

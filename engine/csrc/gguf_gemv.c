@@ -1,53 +1,87 @@
-/* y = x @ W^T for a few rows of x, W kept as a GGUF file's own Q4_1 or Q8_0 blocks.
+/* y = x @ W^T for a few rows of x, W kept as a GGUF file's own Q4_1 or Q8_0 blocks, packed
+ * sixteen rows at a time so that one vector lane is one weight row.
  *
- * A block holds 32 consecutive weights of one row. Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of
- * nibbles; byte b's low nibble is element b, its high nibble element b + 16; value = d * q + m.
- * Q8_0 (34 bytes): f16 d, 32 int8 q; value = d * q. Each block widens to 32 float32 in registers,
- * as a fused multiply-add q * d + m (Q4_1) or a product d * q (Q8_0): d * q is exact in float32
- * (11 by 4 or 8 significant bits), so each widened weight is, bit for bit, the float32 value the
- * gguf package's dequantize gives (its d * q + m rounds once, at the addition, as the FMA does).
- * x stays float32 and every product is summed in float32 (fused multiply-adds: built with
- * -ffp-contract=fast): the result is the float32 product up to summation order.
+ * A GGUF block holds 32 consecutive weights of one row. Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of
+ * nibbles; byte p's low nibble is element p, its high nibble element p + 16; value = d * q + m.
+ * Q8_0 (34 bytes): f16 d, 32 int8 q; value = d * q. engine/cpu_gguf.py `pack` moves the same
+ * bytes, for each group of 16 rows (the last one padded with zero blocks) and each block column
+ * b, into one group-block:
+ *   Q4_1 (320 bytes): the 16 rows' d (16 f16), their m (16 f16), then for p = 0..15 the 16 rows'
+ *        byte p (16 bytes each: lane r is row r);
+ *   Q8_0 (544 bytes): the 16 rows' d (16 f16), then for k = 0..31 the 16 rows' code k.
+ * A group's blocks follow each other, and groups follow each other: one matrix is one
+ * front-to-back stream. Each weight widens in a vector lane, as a fused multiply-add q * d + m
+ * (Q4_1) or a product d * q (Q8_0): d * q is exact in float32 (11 by 4 or 8 significant bits), so
+ * each widened weight is, bit for bit, the float32 value the gguf package's dequantize gives (its
+ * d * q + m rounds once, at the addition, as the FMA does). x stays float32, each x element is
+ * broadcast to all lanes, and every product is summed in float32 (fused multiply-adds: built
+ * with -ffp-contract=fast): the result is the float32 product up to summation order.
  *
- * OpenMP threads share groups of G_ROWS weight rows (the matrix's last N % G_ROWS rows go one
- * at a time). Within a group, x rows go in chunks of up to 4; a chunk of MM rows runs tiles of R
- * weight rows, each weight block widened once and used for all MM x rows, in MM x R (x A)
- * accumulators of 8 floats (AVX2: 16 ymm registers). Each block read also prefetches the same
- * block PF_GROUPS groups further on: without it the loads' latency, not the bandwidth, set the
- * pace (SmolLM2's 96 MB of blocks, 2 threads: 9.5 ms -> 6.5 ms per pass).
+ * Why rows in lanes (2026-12-03, one Zen 5 core, a 1536 x 576 matrix from cache): with a row's 32
+ * weights across the lanes, each block needed its d and m broadcast, 8 widening steps and a
+ * horizontal sum per row, 2.05 ns a block-row (1.40 with 16-lane AVX-512 widening); with rows in
+ * lanes, d and m load as vectors, a block costs 1 widening step per 16 weights, nothing is summed
+ * across lanes, and it took 0.78 ns. Under AVX-512 a Q4_1 code becomes a float by vpermps from
+ * the table 0..15 (it reads only an index's low 4 bits: no mask); elsewhere by mask and convert.
+ *
+ * OpenMP threads share the groups. x rows go in chunks of up to 4; every widened weight serves
+ * the chunk's rows, with CH accumulators per row and nibble half (8 chains of fused multiply-adds
+ * in flight for one row). Each vector covers VLEN rows of a group (16 with AVX-512, else 8: a
+ * group then takes two passes over its blocks).
  *
  * Layouts (checked by engine/cpu_gguf.py): x (M, K) float32 rows with stride xs elements, K a
- * multiple of 32; W (N, K / 32 blocks) rows with stride ws bytes; bias (N,) float32 or NULL;
- * y (M, N) float32 rows with stride ys elements.
+ * multiple of 32; W packed as above, ws = bytes per group (K / 32 group-blocks); bias (N,) float32
+ * or NULL; y (M, N) float32 rows with stride ys elements.
  */
 #include <stdint.h>
 #include <string.h>
 
-/* natural alignment on purpose (see vec16.h): loads and stores go through memcpy */
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8x __attribute__((vector_size(32)));
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
-typedef int8_t s8x8 __attribute__((vector_size(8)));
+#define QK 32      /* weights per block */
+#define GROUP 16   /* rows per group: lanes of one packed block */
+#define PF_BYTES 8192 /* prefetch distance: 1.2 -> 1.1 ns a block-row over DRAM (0.64..16 KiB tried) */
+#define UNROLL _Pragma("GCC unroll 16") /* keeps the accumulators in registers */
 
-#define QK 32         /* weights per block */
-#define Q4_1_BYTES 20 /* f16 d, f16 m, 16 bytes of nibbles */
-#define Q8_0_BYTES 34 /* f16 d, 32 int8 */
-#define G_ROWS 4      /* weight rows per parallel work item */
-#define PF_GROUPS 4   /* prefetch distance in groups (2..8 measured alike) */
-#define UNROLL _Pragma("GCC unroll 8") /* keeps the accumulators in registers */
+#if defined(__AVX512F__) && defined(__F16C__)
+#define VLEN 16
+#else
+#define VLEN 8
+#endif
+typedef float fv __attribute__((vector_size(4 * VLEN)));
+typedef int32_t iv __attribute__((vector_size(4 * VLEN)));
+typedef uint8_t u8v __attribute__((vector_size(VLEN)));
+typedef int8_t s8v __attribute__((vector_size(VLEN)));
 
-static inline float hsum8(f8 v) { /* a fixed tree: halves, then pairs */
-    float a = (v[0] + v[4]) + (v[2] + v[6]);
-    float b = (v[1] + v[5]) + (v[3] + v[7]);
-    return a + b;
+#if VLEN == 16
+#include <immintrin.h>
+/* VLEN bytes, zero- or sign-extended to int32 lanes (GCC scalarises __builtin_convertvector here) */
+static inline iv load_u8(const uint8_t *p) { return (iv)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline iv load_s8(const uint8_t *p) { return (iv)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline iv load_u8(const uint8_t *p) { return (iv)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline iv load_s8(const uint8_t *p) { return (iv)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+static inline iv load_u8(const uint8_t *p) {
+    u8v b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, iv);
 }
+
+static inline iv load_s8(const uint8_t *p) {
+    s8v b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, iv);
+}
+#endif
 
 #if defined(__F16C__)
 #include <immintrin.h>
-static inline float half_at(const uint8_t *p) { /* little-endian IEEE half at p */
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
+static inline fv load_halves(const uint8_t *p) { /* VLEN little-endian IEEE halves -> float32 */
+#if VLEN == 16
+    return (fv)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    return (fv)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#endif
 }
 #else
 static inline float half_at(const uint8_t *p) {
@@ -69,144 +103,107 @@ static inline float half_at(const uint8_t *p) {
     memcpy(&out, &w, sizeof out);
     return out;
 }
-#endif
 
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-static inline f8 load_x(const float *p) { return (f8)_mm256_loadu_ps(p); }
-#if defined(__FMA__)
-#define MADD(a, b, c) _mm256_fmadd_ps(a, b, c)
-#else
-#define MADD(a, b, c) _mm256_add_ps(_mm256_mul_ps(a, b), c) /* exact too: a * b is exact here */
-#endif
-/* one block -> w[0..3] = elements 0-7, 8-15, 16-23, 24-31 (vpmovzxbd / vpmovsxbd from memory) */
-static inline void widen_q4_1(const uint8_t *b, f8 w[4]) {
-    int32_t dm_bits; /* d and m as one 32-bit broadcast: lanes d, m, d, m, ... after vcvtph2ps */
-    memcpy(&dm_bits, b, sizeof dm_bits);
-    __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(dm_bits));
-    __m256 d = _mm256_permute_ps(dm, 0x00), m = _mm256_permute_ps(dm, 0x55);
-    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 4)));  /* bytes 0-7 */
-    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 12))); /* bytes 8-15 */
-    __m256i mask = _mm256_set1_epi32(15);
-    w[0] = (f8)MADD(_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), d, m);
-    w[1] = (f8)MADD(_mm256_cvtepi32_ps(_mm256_and_si256(hi, mask)), d, m);
-    w[2] = (f8)MADD(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), d, m);
-    w[3] = (f8)MADD(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), d, m);
-}
-
-static inline void widen_q8_0(const uint8_t *b, f8 w[4]) {
-    int16_t d_bits;
-    memcpy(&d_bits, b, sizeof d_bits);
-    __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(d_bits));
-    for (int i = 0; i < 4; i++)
-        w[i] = (f8)_mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)))), d);
-}
-#else
-static inline f8 load_x(const float *p) {
-    f8 v;
-    memcpy(&v, p, sizeof v);
+static inline fv load_halves(const uint8_t *p) {
+    fv v;
+    for (int i = 0; i < VLEN; i++) v[i] = half_at(p + 2 * i);
     return v;
 }
-
-static inline void widen_q4_1(const uint8_t *b, f8 w[4]) {
-    float d = half_at(b), m = half_at(b + 2);
-    u8x8 lo, hi;
-    memcpy(&lo, b + 4, sizeof lo);
-    memcpy(&hi, b + 12, sizeof hi);
-    i8x l = __builtin_convertvector(lo, i8x), h = __builtin_convertvector(hi, i8x);
-    w[0] = __builtin_convertvector(l & 15, f8) * d + m;
-    w[1] = __builtin_convertvector(h & 15, f8) * d + m;
-    w[2] = __builtin_convertvector(l >> 4, f8) * d + m;
-    w[3] = __builtin_convertvector(h >> 4, f8) * d + m;
-}
-
-static inline void widen_q8_0(const uint8_t *b, f8 w[4]) {
-    float d = half_at(b);
-    for (int i = 0; i < 4; i++) {
-        s8x8 q;
-        memcpy(&q, b + 2 + 8 * i, sizeof q);
-        w[i] = __builtin_convertvector(__builtin_convertvector(q, i8x), f8) * d;
-    }
-}
 #endif
 
-/* One tile: R weight rows (at w, row stride ws bytes, nb blocks each) against MM x rows (at x,
- * row stride xs); sums[i * R + j] = x row i . weight row j. A accumulators per pair, taking a
- * block's 8-wide slices in turn (A = 2 for one x row: 2 R independent sums in flight). */
-#define DEFINE_TILE(NAME, WIDEN, BYTES, MM, R, A)                                                   \
-    static void NAME(const float *x, int64_t xs, const uint8_t *w, int64_t ws, int64_t nb,         \
-                     float *sums) {                                                                \
-        f8 acc[MM][R][A];                                                                          \
+/* low and high nibbles of zero-extended bytes, as floats 0..15 */
+#if VLEN == 16
+static inline fv nibbles_lo(iv q) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (fv)_mm512_permutexvar_ps((__m512i)q, values);
+}
+static inline fv nibbles_hi(iv q) { return nibbles_lo(q >> 4); }
+#else
+static inline fv nibbles_lo(iv q) { return __builtin_convertvector(q & 15, fv); }
+static inline fv nibbles_hi(iv q) { return __builtin_convertvector(q >> 4, fv); }
+#endif
+
+/* One pass over a group's nb blocks for MM x rows (at x, stride xs) and the VLEN lanes starting at
+ * lane h * VLEN: out[i] = x row i . those rows. CH accumulators per x row and half of a block. */
+#define DEFINE_Q4_1(NAME, MM, CH)                                                                  \
+    static void NAME(const float *x, int64_t xs, const uint8_t *w, int64_t nb, int h, fv *out) {  \
+        fv acc[MM][2][CH];                                                                         \
         for (int i = 0; i < MM; i++)                                                               \
-            for (int j = 0; j < R; j++)                                                            \
-                for (int a = 0; a < A; a++) acc[i][j][a] = (f8){0};                                \
+            for (int c = 0; c < CH; c++) acc[i][0][c] = acc[i][1][c] = (fv){0};                    \
         for (int64_t b = 0; b < nb; b++) {                                                         \
-            UNROLL for (int j = 0; j < R; j++) {                                                   \
-                f8 wv[4];                                                                          \
-                __builtin_prefetch(w + (j + PF_GROUPS * G_ROWS) * ws + b * BYTES);                 \
-                WIDEN(w + j * ws + b * BYTES, wv);                                                 \
+            const uint8_t *o = w + b * (GROUP * 20);                                               \
+            UNROLL for (int l = 0; l < GROUP * 20; l += 64) __builtin_prefetch(o + PF_BYTES + l);   \
+            fv d = load_halves(o + 2 * VLEN * h), m = load_halves(o + 32 + 2 * VLEN * h);          \
+            const float *xb = x + b * QK;                                                          \
+            UNROLL for (int p = 0; p < 16; p++) {                                                  \
+                iv q = load_u8(o + 64 + 16 * p + VLEN * h);                                        \
+                fv lo = nibbles_lo(q) * d + m, hi = nibbles_hi(q) * d + m;                         \
                 UNROLL for (int i = 0; i < MM; i++) {                                              \
-                    const float *xb = x + i * xs + b * QK;                                         \
-                    UNROLL for (int c = 0; c < 4; c++) acc[i][j][c % A] += load_x(xb + 8 * c) * wv[c]; \
+                    acc[i][0][p % CH] += lo * xb[i * xs + p];                                      \
+                    acc[i][1][p % CH] += hi * xb[i * xs + 16 + p];                                 \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MM; i++)                                                               \
-            for (int j = 0; j < R; j++) {                                                          \
-                f8 s = acc[i][j][0];                                                               \
-                for (int a = 1; a < A; a++) s += acc[i][j][a];                                     \
-                sums[i * R + j] = hsum8(s);                                                        \
-            }                                                                                      \
+        for (int i = 0; i < MM; i++) {                                                             \
+            fv s = acc[i][0][0] + acc[i][1][0];                                                    \
+            for (int c = 1; c < CH; c++) s += acc[i][0][c] + acc[i][1][c];                         \
+            out[i] = s;                                                                            \
+        }                                                                                          \
     }
 
-typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int64_t, int64_t, float *);
+#define DEFINE_Q8_0(NAME, MM, CH)                                                                  \
+    static void NAME(const float *x, int64_t xs, const uint8_t *w, int64_t nb, int h, fv *out) {  \
+        fv acc[MM][2][CH];                                                                         \
+        for (int i = 0; i < MM; i++)                                                               \
+            for (int c = 0; c < CH; c++) acc[i][0][c] = acc[i][1][c] = (fv){0};                    \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            const uint8_t *o = w + b * (GROUP * 34);                                               \
+            UNROLL for (int l = 0; l < GROUP * 34; l += 64) __builtin_prefetch(o + PF_BYTES + l);   \
+            fv d = load_halves(o + 2 * VLEN * h);                                                  \
+            const float *xb = x + b * QK;                                                          \
+            UNROLL for (int k = 0; k < QK; k++) {                                                  \
+                fv wk = __builtin_convertvector(load_s8(o + 32 + 16 * k + VLEN * h), fv) * d;       \
+                UNROLL for (int i = 0; i < MM; i++) acc[i][k & 1][(k >> 1) % CH] += wk * xb[i * xs + k]; \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < MM; i++) {                                                             \
+            fv s = acc[i][0][0] + acc[i][1][0];                                                    \
+            for (int c = 1; c < CH; c++) s += acc[i][0][c] + acc[i][1][c];                         \
+            out[i] = s;                                                                            \
+        }                                                                                          \
+    }
 
-/* per format: tiles for MM = 1..4 x rows, of R = TILE_R[MM] weight rows and of 1 */
-#define DEFINE_FORMAT(F, WIDEN, BYTES)                                                              \
-    DEFINE_TILE(F##_1x4, WIDEN, BYTES, 1, 4, 2)                                                    \
-    DEFINE_TILE(F##_2x4, WIDEN, BYTES, 2, 4, 1)                                                    \
-    DEFINE_TILE(F##_3x2, WIDEN, BYTES, 3, 2, 1)                                                    \
-    DEFINE_TILE(F##_4x2, WIDEN, BYTES, 4, 2, 1)                                                    \
-    DEFINE_TILE(F##_1x1, WIDEN, BYTES, 1, 1, 2)                                                    \
-    DEFINE_TILE(F##_2x1, WIDEN, BYTES, 2, 1, 1)                                                    \
-    DEFINE_TILE(F##_3x1, WIDEN, BYTES, 3, 1, 1)                                                    \
-    DEFINE_TILE(F##_4x1, WIDEN, BYTES, 4, 1, 1)                                                    \
-    static const tile_fn F##_tiles[5] = {0, F##_1x4, F##_2x4, F##_3x2, F##_4x2};                   \
-    static const tile_fn F##_rows[5] = {0, F##_1x1, F##_2x1, F##_3x1, F##_4x1};
+typedef void (*pass_fn)(const float *, int64_t, const uint8_t *, int64_t, int, fv *);
 
-DEFINE_FORMAT(q4_1, widen_q4_1, Q4_1_BYTES)
-DEFINE_FORMAT(q8_0, widen_q8_0, Q8_0_BYTES)
-static const int TILE_R[5] = {0, 4, 4, 2, 2}; /* G_ROWS must be a multiple of each */
+/* per format: passes for MM = 1..4 x rows (8, 8, 6 and 8 chains in flight) */
+#define DEFINE_FORMAT(F, DEFINE)                                                                    \
+    DEFINE(F##_1, 1, 4)                                                                            \
+    DEFINE(F##_2, 2, 2)                                                                            \
+    DEFINE(F##_3, 3, 1)                                                                            \
+    DEFINE(F##_4, 4, 1)                                                                            \
+    static const pass_fn F##_passes[5] = {0, F##_1, F##_2, F##_3, F##_4};
 
-static void gemv(const tile_fn *tiles, const tile_fn *rows, const float *x, int64_t xs, const uint8_t *w,
-                 int64_t ws, const float *bias, int64_t M, int64_t N, int64_t K, float *y, int64_t ys,
-                 int threads) {
-    int64_t nb = K / QK, full = N / G_ROWS, groups = full + N % G_ROWS;
+DEFINE_FORMAT(q4_1, DEFINE_Q4_1)
+DEFINE_FORMAT(q8_0, DEFINE_Q8_0)
+
+static void gemv(const pass_fn *passes, const float *x, int64_t xs, const uint8_t *w, int64_t ws,
+                 const float *bias, int64_t M, int64_t N, int64_t K, float *y, int64_t ys, int threads) {
+    int64_t nb = K / QK, groups = (N + GROUP - 1) / GROUP;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        int64_t n0 = g < full ? g * G_ROWS : full * G_ROWS + (g - full);
-        int r = g < full ? G_ROWS : 1;
-        float sums[4 * G_ROWS];
+        int64_t n0 = g * GROUP;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             int mm = (int)(M - m0 < 4 ? M - m0 : 4);
-            const float *xm = x + m0 * xs;
-            if (r == 1) {
-                rows[mm](xm, xs, w + n0 * ws, ws, nb, sums);
-            } else { /* tiles of TILE_R[mm] rows: sums as [mm][TILE_R] per tile, laid out [mm][G_ROWS] */
-                int tr = TILE_R[mm];
-                for (int j0 = 0; j0 < G_ROWS; j0 += tr) {
-                    float part[4 * 4];
-                    tiles[mm](xm, xs, w + (n0 + j0) * ws, ws, nb, part);
-                    for (int i = 0; i < mm; i++)
-                        for (int j = 0; j < tr; j++) sums[i * G_ROWS + j0 + j] = part[i * tr + j];
-                }
+            for (int h = 0; h < GROUP / VLEN; h++) {
+                fv sums[4];
+                passes[mm](x + m0 * xs, xs, w + g * ws, nb, h, sums);
+                for (int i = 0; i < mm; i++)
+                    for (int l = 0; l < VLEN; l++) {
+                        int64_t n = n0 + h * VLEN + l;
+                        if (n < N) /* the last group's padding rows are computed, never stored */
+                            y[(m0 + i) * ys + n] = bias ? sums[i][l] + bias[n] : sums[i][l];
+                    }
             }
-            for (int i = 0; i < mm; i++)
-                for (int j = 0; j < r; j++) {
-                    float s = sums[i * r + j];
-                    y[(m0 + i) * ys + n0 + j] = bias ? s + bias[n0 + j] : s;
-                }
         }
     }
 }
@@ -214,12 +211,12 @@ static void gemv(const tile_fn *tiles, const tile_fn *rows, const float *x, int6
 /* both return 0 (the signature engine/csrc/decode_layers.c calls projections with) */
 int pd_gemv_q4_1(const float *x, int64_t xs, const uint8_t *w, int64_t ws, const float *bias, int64_t M,
                  int64_t N, int64_t K, float *y, int64_t ys, int threads) {
-    gemv(q4_1_tiles, q4_1_rows, x, xs, w, ws, bias, M, N, K, y, ys, threads);
+    gemv(q4_1_passes, x, xs, w, ws, bias, M, N, K, y, ys, threads);
     return 0;
 }
 
 int pd_gemv_q8_0(const float *x, int64_t xs, const uint8_t *w, int64_t ws, const float *bias, int64_t M,
                  int64_t N, int64_t K, float *y, int64_t ys, int threads) {
-    gemv(q8_0_tiles, q8_0_rows, x, xs, w, ws, bias, M, N, K, y, ys, threads);
+    gemv(q8_0_passes, x, xs, w, ws, bias, M, N, K, y, ys, threads);
     return 0;
 }
