@@ -100,6 +100,31 @@ def test_widened_weights_are_the_gguf_packages_values(qtype):
             assert torch.equal(cpu_gguf.gemv(e, w, qtype), theirs[:, cols].T)
 
 
+@pytest.mark.parametrize("qtype", sorted(cpu_gguf.TYPES))
+def test_pack_moves_each_byte_to_its_lane(qtype):
+    """The f32 kernel's layout, byte by byte: group g, block column b, lane r is row 16 g + r; the
+    rows' scales first, then their codes rows-innermost; a short last group padded with zeros."""
+    N, nb, size = 21, 3, cpu_gguf.TYPES[qtype]
+    w = random_blocks(qtype, N, nb, seed=3)
+    packed = cpu_gguf.pack(w, qtype)
+    assert packed.shape == (32, nb * size) and packed.is_contiguous()
+    flat, scales = packed.reshape(-1), 4 if qtype == "Q4_1" else 2
+    for row in (0, 7, 15, 16, 20):
+        g, r = divmod(row, 16)
+        for b in range(nb):
+            block, at = w[row, b * size:(b + 1) * size], (g * nb + b) * 16 * size
+            for s in range(0, scales, 2):  # d (and m): 16 halves per field
+                assert torch.equal(flat[at + 16 * s + 2 * r:at + 16 * s + 2 * r + 2], block[s:s + 2])
+            codes = flat[at + 16 * scales:at + 16 * size].view(-1, 16)  # (codes, 16 lanes)
+            assert torch.equal(codes[:, r], block[scales:])
+    for b in range(nb):  # rows 21..31 (lanes 5..15 of group 1): zero blocks, weights 0
+        at = (nb + b) * 16 * size
+        lanes = flat[at:at + 16 * size]
+        for s in range(0, scales, 2):
+            assert not lanes[16 * s + 2 * 5:16 * s + 32].any()
+        assert not lanes[16 * scales:].view(-1, 16)[:, 5:].any()
+
+
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """march -> gguf_gemv.c built for it (not -march=native) with its signatures set, or None
@@ -134,7 +159,7 @@ def test_other_instruction_sets(march, build, monkeypatch):
         pytest.skip("no C compiler")
     monkeypatch.setattr(cpu_gguf, "_lib", lambda act="f32": lib)
     for qtype in cpu_gguf.TYPES:
-        for M, N, nb in ((1, 9, 3), (3, 6, 2), (4, 5, 1)):
+        for M, N, nb in ((1, 9, 3), (3, 6, 2), (4, 5, 1), (6, 37, 2)):  # 3 groups of rows, 2 chunks of x
             x = torch.randn(M, nb * 32, generator=torch.Generator().manual_seed(M))
             w = special_scales(random_blocks(qtype, N, nb, seed=N))
             y, ref = cpu_gguf.gemv(x, w, qtype), cpu_gguf.reference(x, w, qtype)
