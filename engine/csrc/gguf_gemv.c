@@ -17,7 +17,7 @@
  * broadcast to all lanes, and every product is summed in float32 (fused multiply-adds: built
  * with -ffp-contract=fast): the result is the float32 product up to summation order.
  *
- * Why rows in lanes (2026-12-03, one Zen 5 core, a 1536 x 576 matrix from cache): with a row's 32
+ * Why rows in lanes (2026-12-02, one Zen 5 core, a 1536 x 576 matrix from cache): with a row's 32
  * weights across the lanes, each block needed its d and m broadcast, 8 widening steps and a
  * horizontal sum per row, 2.05 ns a block-row (1.40 with 16-lane AVX-512 widening); with rows in
  * lanes, d and m load as vectors, a block costs 1 widening step per 16 weights, nothing is summed
