@@ -199,8 +199,8 @@ class GgufLinear:
         self._args = (blocks.data_ptr(), stride, bias)
 
     def c_gemv(self) -> tuple[int, int, int, int | None, int, int]:
-        """(C function address, weight address, row stride, bias address or None, N, K) for
-        engine.cpu_decode_layers."""
+        """(C function address, weight address, weight stride (f32: bytes per packed group of 16
+        rows; q8: bytes per row), bias address or None, N, K) for engine.cpu_decode_layers."""
         fn = ctypes.cast(self._fn, ctypes.c_void_p).value
         return (fn, *self._args, self.out_features, self.in_features)
 

@@ -35,7 +35,8 @@ typedef int (*decode_fn)(const float *q, int64_t q_row_stride, const float *k_ca
 struct pd_proj { /* one projection: y (M, N) = x (M, K) @ W^T + bias */
     gemv_fn fn;
     const void *w;
-    int64_t ws; /* weight row stride, in the kernel's own unit (GGUF: bytes; bf16: elements) */
+    int64_t ws; /* weight stride in the kernel's own unit (GGUF: bytes per packed group of 16 rows;
+                   bf16: elements per row) */
     const float *bias;
     int64_t N, K;
 };
