@@ -8,16 +8,15 @@ A sender (this process) moves one sequence of `--tokens` tokens of the `tiny` KV
 is sent and where it is handled, so each segment has a p50: the export; the manifest's send call
 (how long until the sending thread runs again); send -> the receiver handles the manifest;
 handling it; the chunk's and the end's handling, commit included; ack -> the sender; and, apart,
-the receiver's own time in each message's handler (against the in-process steps: on the Zen 5
-machine 0.21 ms for the manifest against 67 us in one process, the same code run cold between
-two processes). The same
-protocol steps also run in one process without sockets (`inproc`: the CPU each step costs when
-nothing waits). `--pin` places the two processes on two different cores (`sched_setaffinity`;
-their threads, ZeroMQ's I/O threads included, inherit it). Both processes run `--torch-threads`
-torch threads (1, as every worker): with 2, an idle OpenMP pool's threads spin after each torch
-op and take the core an I/O thread needs (pinned, on the development machine: 5.0 ms a move
-instead of 1.3). The child reports its stamps as one JSON line (nothing pickled). JSON with the
-machine (bench.machine.describe).
+the receiver's own time in each message's handler (on the Zen 5 machine 0.21-0.26 ms for the
+manifest against 67 us for its steps in one process: the same code, run cold between two
+processes). The same protocol steps also run in one process without sockets (`inproc`: the CPU
+each step costs when nothing waits). `--pin` places the two processes on two different cores
+(`sched_setaffinity`; their threads, ZeroMQ's I/O threads included, inherit it). Both processes
+run `--torch-threads` torch threads (1, as every worker): with 2, an idle OpenMP pool's threads
+spin after each torch op and take the core an I/O thread needs (pinned, on the development
+machine: 5.0 ms a move instead of 1.3). The child reports its stamps as one JSON line (nothing
+pickled). JSON with the machine (bench.machine.describe).
 """
 
 from __future__ import annotations
