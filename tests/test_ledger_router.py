@@ -32,13 +32,18 @@ def test_every_move_bumps_the_epoch_and_blocks_come_from_worker_reports():
         led.move("zz", Phase.DECODING, "d0")
 
 
-def test_reconciler_counts_and_repairs_only_what_outlives_the_grace(monkeypatch):
+def _reconciler(monkeypatch, start: float = 0.0):
+    """(clock, ledger, counted kinds, Reconciler with a 1 s grace) on a clock the test moves by hand."""
     import coordinator.reconcile as rec
 
-    now = [100.0]
+    now = [start]
     monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
     led, counted = Ledger(), []
-    reconciler = rec.Reconciler(led, grace_s=1.0, count=counted.append)
+    return now, led, counted, rec.Reconciler(led, grace_s=1.0, count=counted.append)
+
+
+def test_reconciler_counts_and_repairs_only_what_outlives_the_grace(monkeypatch):
+    now, led, counted, reconciler = _reconciler(monkeypatch, 100.0)
     for rid in ("live", "gone"):
         led.open(rid)
         led.move(rid, Phase.DECODING, "d0")
@@ -92,12 +97,7 @@ def test_prefix_aware_sends_a_shared_prefix_to_the_same_worker():
 def test_reconciler_waits_for_reports_not_only_time(monkeypatch):
     """A worker busy for seconds (a migration) reports a queued Submit only in its next reports:
     a request missing from two reports spread over 2 s is not yet a discrepancy."""
-    import coordinator.reconcile as rec
-
-    now = [0.0]
-    monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
-    led, counted = Ledger(), []
-    reconciler = rec.Reconciler(led, grace_s=1.0, count=counted.append)
+    now, led, counted, reconciler = _reconciler(monkeypatch)
     led.open("queued")
     led.move("queued", Phase.PREFILLING, "p0")
     assigned = {"queued": {"p0", "d0"}}
@@ -112,12 +112,7 @@ def test_a_request_its_worker_never_listed_has_not_vanished(monkeypatch):
     """Ray delivers a Submit behind slower calls, seconds late on a loaded machine, while the worker
     keeps reporting: until the worker lists the request under its current epoch, nothing vanished.
     Listed once, then missing from three reports over more than the grace: vanished."""
-    import coordinator.reconcile as rec
-
-    now = [0.0]
-    monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
-    led, counted = Ledger(), []
-    reconciler = rec.Reconciler(led, grace_s=1.0, count=counted.append)
+    now, led, counted, reconciler = _reconciler(monkeypatch)
     led.open("late")
     led.move("late", Phase.PREFILLING, "p0")
     assigned = {"late": {"p0", "d0"}}

@@ -125,13 +125,21 @@ static inline fv nibbles_lo(iv q) { return __builtin_convertvector(q & 15, fv); 
 static inline fv nibbles_hi(iv q) { return __builtin_convertvector(q >> 4, fv); }
 #endif
 
+/* out[i] = the sum of x row i's 2 * ch accumulators (acc as [mm][2][ch]), in a fixed order */
+static inline void fold(int mm, int ch, const fv *acc, fv *out) {
+    for (int i = 0; i < mm; i++) {
+        const fv *a = acc + i * 2 * ch;
+        fv s = a[0] + a[ch];
+        for (int c = 1; c < ch; c++) s += a[c] + a[ch + c];
+        out[i] = s;
+    }
+}
+
 /* One pass over a group's nb blocks for MM x rows (at x, stride xs) and the VLEN lanes starting at
  * lane h * VLEN: out[i] = x row i . those rows. CH accumulators per x row and half of a block. */
 #define DEFINE_Q4_1(NAME, MM, CH)                                                                  \
     static void NAME(const float *x, int64_t xs, const uint8_t *w, int64_t nb, int h, fv *out) {  \
-        fv acc[MM][2][CH];                                                                         \
-        for (int i = 0; i < MM; i++)                                                               \
-            for (int c = 0; c < CH; c++) acc[i][0][c] = acc[i][1][c] = (fv){0};                    \
+        fv acc[MM][2][CH] = {{{{0}}}};                                                             \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             const uint8_t *o = w + b * (GROUP * 20);                                               \
             UNROLL for (int l = 0; l < GROUP * 20; l += 64) __builtin_prefetch(o + PF_BYTES + l);   \
@@ -146,18 +154,12 @@ static inline fv nibbles_hi(iv q) { return __builtin_convertvector(q >> 4, fv); 
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MM; i++) {                                                             \
-            fv s = acc[i][0][0] + acc[i][1][0];                                                    \
-            for (int c = 1; c < CH; c++) s += acc[i][0][c] + acc[i][1][c];                         \
-            out[i] = s;                                                                            \
-        }                                                                                          \
+        fold(MM, CH, &acc[0][0][0], out);                                                          \
     }
 
 #define DEFINE_Q8_0(NAME, MM, CH)                                                                  \
     static void NAME(const float *x, int64_t xs, const uint8_t *w, int64_t nb, int h, fv *out) {  \
-        fv acc[MM][2][CH];                                                                         \
-        for (int i = 0; i < MM; i++)                                                               \
-            for (int c = 0; c < CH; c++) acc[i][0][c] = acc[i][1][c] = (fv){0};                    \
+        fv acc[MM][2][CH] = {{{{0}}}};                                                             \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             const uint8_t *o = w + b * (GROUP * 34);                                               \
             UNROLL for (int l = 0; l < GROUP * 34; l += 64) __builtin_prefetch(o + PF_BYTES + l);   \
@@ -168,11 +170,7 @@ static inline fv nibbles_hi(iv q) { return __builtin_convertvector(q >> 4, fv); 
                 UNROLL for (int i = 0; i < MM; i++) acc[i][k & 1][(k >> 1) % CH] += wk * xb[i * xs + k]; \
             }                                                                                      \
         }                                                                                          \
-        for (int i = 0; i < MM; i++) {                                                             \
-            fv s = acc[i][0][0] + acc[i][1][0];                                                    \
-            for (int c = 1; c < CH; c++) s += acc[i][0][c] + acc[i][1][c];                         \
-            out[i] = s;                                                                            \
-        }                                                                                          \
+        fold(MM, CH, &acc[0][0][0], out);                                                          \
     }
 
 typedef void (*pass_fn)(const float *, int64_t, const uint8_t *, int64_t, int, fv *);
