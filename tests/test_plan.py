@@ -169,6 +169,25 @@ def test_cold_cost_after_idle_and_per_computed_token():
     assert ttft[1] == pytest.approx((4.8 + 6.28) - 5.0 + 1.0 + 1.6 + (1.0 + 1.6 + 0.16))
 
 
+def test_the_cold_cost_follows_the_engine_a_request_lands_on():
+    """Idle is per engine: a request routed to an idle worker while another one decodes pays the
+    cold part (the cluster as a whole is busy); one queued on the decoding worker does not."""
+    from bench.plan.serving import ServingPath
+
+    path = ServingPath(cold_ms=10.0, cold_tau_ms=1e-9)
+    m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=0.1, decode_fixed_ms=1.0, decode_ms_per_seq=0.0,
+                  serving=path)
+    # prefix_aware: 0 -> A; 1 (no prefix) -> B, the one with more free blocks; 2 -> A, caching its prefix
+    reqs = [Req(0, 0.0, 64, 400, "x", 48), Req(1, 0.1, 16, 2), Req(2, 0.2, 64, 2, "x", 48)]
+    a, b, c = simulate(reqs, m, SimConfig(colocated=2, num_blocks=256, routing="prefix_aware"))
+    assert c.computed_tokens == 16  # it did land on A
+    assert a.idle_ms == float("inf") and b.idle_ms == float("inf") and c.idle_ms == 0.0
+    assert b.busy_engines == 1  # engine A was stepping: the cluster was not idle
+    ttft = [(o.first_s - o.req.arrival_s) * 1e3 for o in (b, c)]
+    assert ttft[0] == pytest.approx(1.6 + 10.0)  # alone on B: its prefill, then the cold part
+    assert ttft[1] < 10.0  # on A, which decodes: warm (before, both were warm: A was stepping)
+
+
 def test_least_loaded_routing_and_local_prefill_pays_the_colocated_path():
     from bench.plan.serving import ServingPath
 
