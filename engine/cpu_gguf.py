@@ -173,12 +173,13 @@ class GgufLinear:
             raise ValueError(f"GgufLinear takes uint8 (N, row bytes) blocks of {', '.join(TYPES)}, got "
                              f"{qtype!r} {blocks.dtype} {tuple(blocks.shape)}")
         self.qtype, self.act, self.max_rows = qtype, act, max_rows
+        self._group = GROUP if act == "f32" else 1  # rows the kernel reads together (f32: packed)
         self.out_features = blocks.shape[0]
         self.in_features = blocks.shape[1] // TYPES[qtype] * BLOCK
         self.bias = None if bias is None else bias.detach().float().contiguous()
         _check(torch.empty(0, self.in_features), blocks, qtype, self.bias, None)
         self._fn = _kernel(qtype, act)
-        self.weight = pack(blocks, qtype) if act == "f32" else blocks.contiguous()
+        self.weight = pack(blocks, qtype) if self._group > 1 else blocks.contiguous()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -188,14 +189,14 @@ class GgufLinear:
     def weight(self, blocks: torch.Tensor) -> None:
         """The blocks as the kernel reads them (packed for act f32), or a contiguous copy of them,
         e.g. moved into an engine.arena mapping."""
-        rows = -(-self.out_features // GROUP) * GROUP if self.act == "f32" else self.out_features
+        rows = -(-self.out_features // self._group) * self._group
         shape = (rows, row_bytes(self.qtype, self.in_features))
         if blocks.dtype != torch.uint8 or blocks.shape != shape or not blocks.is_contiguous() \
                 or blocks.device.type != "cpu":
             raise ValueError("GgufLinear weight blocks must keep their dtype, shape and contiguity on CPU")
         self._weight = blocks
         bias = None if self.bias is None else self.bias.data_ptr()
-        stride = blocks.stride(0) * (GROUP if self.act == "f32" else 1)  # packed: bytes per group of rows
+        stride = blocks.stride(0) * self._group  # packed: bytes per group of rows
         self._args = (blocks.data_ptr(), stride, bias)
 
     def c_gemv(self) -> tuple[int, int, int, int | None, int, int]:
