@@ -239,10 +239,10 @@ def test_validate_counts_only_the_pairs_its_measurement_separates():
 
     # 40 requests in 4 s at each of two rates; "a" met its SLOs 38 times, "b" 20, "c" 37
     def runs(good):
-        return [([True] * good + [False] * (40 - good), 4.0)] * 2
+        return {rate: ([True] * good + [False] * (40 - good), 4.0) for rate in (5.0, 10.0)}
 
     flags = {"a": runs(38), "b": runs(20), "c": runs(37)}
-    measured = {k: 2 * sum(f) / d for k, ((f, d), _) in flags.items()}  # 19, 10, 18.5 req/s
+    measured = {k: sum(sum(f) / d for f, d in r.values()) for k, r in flags.items()}  # 19, 10, 18.5 req/s
     pairs = {tuple(p["pair"]): p for p in _pairs(measured, {"a": 1.0, "b": 0.5, "c": 1.2}, flags)}
     assert pairs["a", "b"]["significant"] and pairs["b", "c"]["significant"]
     assert not pairs["a", "c"]["significant"]  # 38 vs 37 of 40: a tie
@@ -251,6 +251,23 @@ def test_validate_counts_only_the_pairs_its_measurement_separates():
     assert ranking_matches(list(pairs.values()))  # a and c predicted the other way round: a tie
     flipped = _pairs(measured, {"a": 1.0, "b": 1.1, "c": 1.2}, flags)  # b above a: separated, wrong
     assert not ranking_matches(flipped)
+
+
+def test_a_goodput_gap_from_wall_clock_alone_is_a_tie():
+    """Every request met its SLOs in both runs; one merely ended 10 ms later, so its goodput reads
+    0.2% lower. The flags cannot tell the two apart: a tie, not a separated pair (an unpaired
+    bootstrap over the flags alone saw no spread at all and called the gap real)."""
+    from bench.plan.validate import _pairs
+
+    flags = {"a": {10.0: ([True] * 60, 6.00)}, "b": {10.0: ([True] * 60, 6.01)}}
+    measured = {k: sum(sum(f) / d for f, d in r.values()) for k, r in flags.items()}
+    [pair] = _pairs(measured, {"a": 2.0, "b": 1.0}, flags)
+    assert pair["measured_gap"] > 0 and pair["gap_ci"] == [0.0, 0.0] and not pair["significant"]
+    # the same requests, five of them missing their SLO in b only: separated, paired request by request
+    flags["b"] = {10.0: ([True] * 55 + [False] * 5, 6.01)}
+    measured["b"] = 55 / 6.01
+    [pair] = _pairs(measured, {"a": 2.0, "b": 1.0}, flags)
+    assert pair["significant"] and pair["gap_ci"][0] > 0
 
 
 def test_serving_stretch_from_free_cores():

@@ -13,9 +13,11 @@ share of prompt tokens the prefix cache gave, measured (each response's `cached_
 simulated: the predicted TTFT of a workload with shared prefixes hangs on it. Beside the overall
 TTFT p50 it compares the p50 per prompt class (`by_class`: short and long), request by request:
 the mixed workload's TTFTs fall mostly in two groups, and the overall p50 lies where they meet.
-A measured order counts only where the measurement can tell: per pair of configurations, a bootstrap over each
-run's requests (which met both SLOs) gives a 95% interval of the goodput gap; a pair whose
-interval holds 0 is a tie, and the ranking matches when every other pair is predicted in the
+A measured order counts only where the measurement can tell: per pair of configurations, a
+paired bootstrap over the requests (every configuration served the same ones at a rate: the same
+draws for each, their SLO flags counted over the rate's common duration) gives a 95% interval of
+the goodput gap; a pair whose interval holds 0 is a tie (equal flags, a run that merely ended
+later, draw 0 every time), and the ranking matches when every other pair is predicted in the
 measured order. `resimulate` predicts a saved validation again with another model (the same
 requests, the measured cells as they were): how a change to the model is checked against past
 measurements in seconds (`pdserve plan --profile P.json --resimulate PLAN.json`).
@@ -49,8 +51,8 @@ def _ranking(totals: dict[str, float]) -> list[str]:
 def _pairs(measured: dict[str, float], predicted: dict[str, float], runs: dict | None = None,
            draws: int = 2000, seed: int = 0) -> list[dict]:
     """Every pair of configurations: the measured gap (share of the larger), whether the
-    prediction orders them the same way, and, given `runs` (config -> [(per-request SLO flags,
-    duration s)] per rate), the gap's 95% bootstrap interval and whether it excludes 0."""
+    prediction orders them the same way, and, given `runs` (config -> {rate: (per-request SLO flags
+    in send order, duration s)}), the gap's 95% paired-bootstrap interval and whether it excludes 0."""
     names, out = list(measured), []
     boot = _bootstrap(runs, draws, seed) if runs else None  # config -> (draws,) summed goodput
     for i, a in enumerate(names):
@@ -66,19 +68,30 @@ def _pairs(measured: dict[str, float], predicted: dict[str, float], runs: dict |
     return out
 
 
-def _bootstrap(runs: dict, draws: int, seed: int) -> dict:
-    """Per config: `draws` resamples of its summed goodput (each run's requests drawn with
-    replacement, good ones over the run's duration)."""
+def _bootstrap(runs: dict, draws: int, seed: int) -> dict | None:
+    """Per config: `draws` resamples of its summed goodput, paired. At each rate every config served
+    the same requests, so the same (n,) draws of request indices serve all of them, and each one's
+    good requests are counted over the rate's common duration (the configs' mean): a gap from
+    wall-clock alone (equal flags, one run ending a few ms later) is 0 in every draw. None when the
+    configs did not serve the same rates and request counts (nothing to pair)."""
     rng = np.random.default_rng(seed)
-    out = {}
-    for name, per_rate in runs.items():
-        total = np.zeros(draws)
-        for flags, duration in per_rate:
-            met = np.asarray(flags, dtype=float)  # (n,)
-            if met.size:
-                picks = rng.integers(0, met.size, size=(draws, met.size))  # (draws, n)
-                total += met[picks].sum(axis=1) / max(duration, 1e-9)
-        out[name] = total
+    names = list(runs)
+    rates = {frozenset(r) for r in runs.values()}
+    if len(rates) != 1:
+        return None
+    out = {name: np.zeros(draws) for name in names}
+    for rate in sorted(next(iter(rates))):
+        cells = [runs[name][rate] for name in names]  # [(flags, duration s)]
+        sizes = {len(flags) for flags, _ in cells}
+        if len(sizes) != 1:
+            return None
+        n = sizes.pop()
+        if n == 0:
+            continue
+        duration = max(float(np.mean([d for _, d in cells])), 1e-9)
+        picks = rng.integers(0, n, size=(draws, n))  # (draws, n), shared by every config
+        for name, (flags, _) in zip(names, cells):
+            out[name] += np.asarray(flags, dtype=float)[picks].sum(axis=1) / duration
     return out
 
 
@@ -151,7 +164,7 @@ def compare(model: StepModel, cfg, measured: list[dict], unloaded: dict, content
                      "slo_met": run.get("slo_met"), "duration": run.get("duration")})
         measured_total[sc.label] = measured_total.get(sc.label, 0.0) + m["goodput"]
         if run.get("slo_met") is not None:
-            runs.setdefault(sc.label, []).append((run["slo_met"], run["duration"]))
+            runs.setdefault(sc.label, {})[rate] = (run["slo_met"], run["duration"])
         predicted_total[sc.label] = predicted_total.get(sc.label, 0.0) + pred["goodput_req_s"]
     m_rank, p_rank = _ranking(measured_total), _ranking(predicted_total)
     pairs = _pairs(measured_total, predicted_total, runs if len(runs) == len(measured_total) else None)
