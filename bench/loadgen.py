@@ -145,6 +145,7 @@ class RequestRecord:
     streamed_ms: float | None = None  # streamed migrations: offer to final message (alongside the prefill)
     overlap_pct: float | None = None  # streamed migrations: % of payload bytes sent before the prefill ended
     cached_tokens: int | None = None  # prompt tokens the prefix cache gave (None: the server did not say)
+    worker: str | None = None  # the worker that prefilled it (the response's pdserve.backend)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -196,7 +197,9 @@ async def _one(session, url: str, model: str, spec: RequestSpec, t0: float, time
     timing = last.get("pdserve") or {}
     rec.server_ttft_ms = timing.get("ttft_ms")
     rec.cached_tokens = timing.get("cached_tokens")
-    mig = (timing.get("backend") or {}).get("migration") or {}
+    backend = timing.get("backend") or {}
+    rec.worker = backend.get("worker") or backend.get("prefill_worker")
+    mig = backend.get("migration") or {}
     rec.migration_ms = float(mig["ms"]) if "ms" in mig else None
     phases = mig.get("phases") or {}
     if "overlap_pct" in phases:  # a streamed migration

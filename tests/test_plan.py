@@ -188,6 +188,24 @@ def test_the_cold_cost_follows_the_engine_a_request_lands_on():
     assert ttft[1] < 10.0  # on A, which decodes: warm (before, both were warm: A was stepping)
 
 
+def test_a_prefill_chunk_that_ends_no_prompt_sends_no_report():
+    """runtime.loop reports after a step only when it produced events (or the heartbeat is due):
+    after the first 512-token chunk of a 1024-token prompt on engine 0, the router still sees
+    engine 0 as it was before the prompt, a tie, and sends a short request there, behind the
+    second chunk (with a report after every step it went to the idle engine 1)."""
+    m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=0.1, decode_fixed_ms=1.0, decode_ms_per_seq=0.0)
+    reqs = [Req(0, 0.0, 1024, 2), Req(1, 0.060, 16, 2)]  # 1 arrives during the second chunk (51.2..102.4 ms)
+    long, short = simulate(reqs, m, SimConfig(colocated=2, num_blocks=256))
+    assert (long.engine, short.engine) == ("colocated0", "colocated0")
+    # its 16 tokens (1.6 ms) in the step after the second chunk, beside the long prompt's decode row (1 ms)
+    assert (short.first_s - 0.060) * 1e3 == pytest.approx(102.4 - 60.0 + 1.6 + 1.0)
+    # a heartbeat's worth later the report is due even after a silent step: request 3 sees the
+    # prompt's blocks on engine 0 and goes to engine 1
+    reqs = [Req(0, 0.0, 4096, 2), Req(1, 0.260, 16, 2)]  # chunks end at 51.2, 102.4, ..., 409.6 ms
+    _, late = simulate(reqs, m, SimConfig(colocated=2, num_blocks=512))
+    assert late.engine == "colocated1"
+
+
 def test_least_loaded_routing_and_local_prefill_pays_the_colocated_path():
     from bench.plan.serving import ServingPath
 

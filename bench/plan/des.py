@@ -1,6 +1,8 @@
 """The discrete-event simulation of one serving configuration. Events: arrivals, engine step ends,
 migration ends. At an arrival the coordinator routes as coordinator.router does, on what each
-engine last reported (its state after its last step), with the configured policy (`least_loaded`,
+engine last reported (its state after the last step that sent a report: as runtime.loop, a step
+that produced a token, a migration's end, or any step once the 200 ms heartbeat is due; a prefill
+chunk that ends no prompt reports nothing), with the configured policy (`least_loaded`,
 ClusterConfig's default: most free or cached blocks, then shortest queue, the first on a tie;
 `prefix_aware`: the longest cached prefix first; decode engines always least loaded) and, with
 prefill workers, asks coordinator.decide (the real policy) where to prefill: on a prefill worker
@@ -33,6 +35,9 @@ from bench.plan.engine import Job, SimEngine
 from bench.plan.model import StepModel
 from bench.plan.workload import Req
 from coordinator.decide import DecideConfig, DecideInputs, decide
+from runtime.loop import LoopConfig
+
+HEARTBEAT_MS = LoopConfig.__dataclass_fields__["heartbeat_s"].default * 1e3  # a report at least this often
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class Outcome:
     idle_ms: float = 0.0         # how long the engine prefilling it had been idle when it arrived
     busy_engines: int = 0        # engines stepping when it arrived
     computed_tokens: int = 0     # prompt tokens its prefill computed (cached ones excluded)
+    engine: str = ""             # the engine routed to prefill it
 
 
 def _engines(c: SimConfig) -> list[SimEngine]:
@@ -86,8 +92,9 @@ def _engines(c: SimConfig) -> list[SimEngine]:
 
 
 def _pick(engines: list[SimEngine], req: Req, routing: str = "least_loaded") -> SimEngine:
-    """As coordinator.router, on what each engine last reported (its blocks and queue after its
-    last step), not its state now: requests arriving within one step of each other see the same."""
+    """As coordinator.router, on what each engine last reported (its blocks and queue after the
+    last step that reported), not its state now: a request arriving while a long prompt's first
+    chunks run sees that engine as it was before the prompt."""
     if routing == "prefix_aware":
         return max(engines, key=lambda e: (e.cached_tokens(req), *e.reported))
     return max(engines, key=lambda e: e.reported)
@@ -132,7 +139,7 @@ class Simulation:
         o.busy_engines = sum(e.busy for e in self.engines)
         if self.c.colocated:
             e = _pick(self.by_role["colocated"], req, self.c.routing)
-            o.idle_ms = self._idle_ms(e)
+            o.idle_ms, o.engine = self._idle_ms(e), e.name
             if not e.fits(tokens):
                 o.path = "refused"
                 return
@@ -145,6 +152,7 @@ class Simulation:
         dec = decide(DecideInputs(req.prompt_tokens, d.cached_tokens(req), len(p.waiting),
                                   len(d.waiting) + len(d.importing), mean_mig), self.decide_config)
         o.path, o.reason_kind = dec.path, dec.reason_kind
+        o.engine = (d if dec.path == "local_prefill" else p).name
         o.idle_ms = self._idle_ms(d if dec.path == "local_prefill" else p)
         if not d.fits(tokens) or (dec.path == "disaggregate" and not p.fits(req.prompt_tokens)):
             o.path = "refused"
@@ -207,7 +215,12 @@ class Simulation:
     def _step_end(self, e: SimEngine, plan) -> None:
         e.busy = False
         self._active[id(e)] = self.now
-        self._after_step.append(e)
+        # runtime.loop reports after a step only when it produced events (a token: a decode row, or
+        # a prompt's last chunk), or when the heartbeat is due; a prefill chunk that does not end its
+        # prompt leaves the router with the report from before it
+        emits = bool(plan.decode) or any(take >= job.remaining for job, take in plan.chunks)
+        if emits or self.now - e.reported_ms >= HEARTBEAT_MS:
+            self._after_step.append(e)
         for job in plan.decode:
             job.generated += 1
             if job.generated >= job.req.output_tokens:
@@ -241,6 +254,7 @@ class Simulation:
         self._active[id(src)] = self._active[id(d)] = self.now
         d.register_prefix(job)
         self._first_token(d, job)
+        self._after_step += [src, d]  # Migrated and Imported are events: both report
 
     def run(self) -> list[Outcome]:
         while self._events:
@@ -253,7 +267,7 @@ class Simulation:
                 self._migrated(*data)
             self._kick()
             for e in self._after_step:  # its report: the state after the step, the next step planned
-                e.report()
+                e.report(self.now)
             self._after_step.clear()
         for o in self.out.values():
             if o.first_s is not None:  # the whole stream starts later

@@ -63,10 +63,11 @@ class SimEngine:
         self.busy = False
         self.waited_for_memory = 0                 # admissions deferred because the pool was full
         self.reported = (num_blocks, 0)            # (free or cached blocks, -queue) of its last report
+        self.reported_ms = 0.0                     # when it last reported (engines report as they start)
 
-    def report(self) -> None:
-        """What the worker's report after a step tells the router (runtime.loop: every step)."""
-        self.reported = (self.alloc.num_available, -len(self.waiting))
+    def report(self, now_ms: float) -> None:
+        """What the worker's report tells the router: its state after the step it follows."""
+        self.reported, self.reported_ms = (self.alloc.num_available, -len(self.waiting)), now_ms
 
     # ---- memory -------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:

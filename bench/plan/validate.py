@@ -183,11 +183,15 @@ def compare(model: StepModel, cfg, measured: list[dict], unloaded: dict, content
 
 
 def _per_request(records: list[dict] | None) -> list[list] | None:
-    """bench serve's detailed records -> [prompt tokens, cached tokens, TTFT ms or None] in spec order."""
+    """bench serve's detailed records -> [prompt tokens, cached tokens, TTFT ms or None, the
+    server's own TTFT ms or None (its response's `pdserve.ttft_ms`: from the coordinator's receipt
+    to its first token out, so the rest is the client's and the loopback's), the worker that
+    prefilled it or None] in spec order."""
     if records is None:
         return None
     return [[r["prompt_tokens"], r.get("cached_tokens"),
-             None if r["first_s"] is None else (r["first_s"] - r["send_s"]) * 1e3] for r in records]
+             None if r["first_s"] is None else (r["first_s"] - r["send_s"]) * 1e3, r.get("server_ttft_ms"),
+             r.get("worker")] for r in records]
 
 
 def by_class(requests: list[list] | None, outcomes: list, short_max: int) -> dict | None:
