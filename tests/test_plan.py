@@ -199,7 +199,7 @@ def test_a_prefill_chunk_that_ends_no_prompt_sends_no_report():
     assert (long.engine, short.engine) == ("colocated0", "colocated0")
     # its 16 tokens (1.6 ms) in the step after the second chunk, beside the long prompt's decode row (1 ms)
     assert (short.first_s - 0.060) * 1e3 == pytest.approx(102.4 - 60.0 + 1.6 + 1.0)
-    # a heartbeat's worth later the report is due even after a silent step: request 3 sees the
+    # a heartbeat's worth later the report is due even after a silent step: request 1 sees the
     # prompt's blocks on engine 0 and goes to engine 1
     reqs = [Req(0, 0.0, 4096, 2), Req(1, 0.260, 16, 2)]  # chunks end at 51.2, 102.4, ..., 409.6 ms
     _, late = simulate(reqs, m, SimConfig(colocated=2, num_blocks=512))

@@ -152,8 +152,8 @@ class Simulation:
         dec = decide(DecideInputs(req.prompt_tokens, d.cached_tokens(req), len(p.waiting),
                                   len(d.waiting) + len(d.importing), mean_mig), self.decide_config)
         o.path, o.reason_kind = dec.path, dec.reason_kind
-        o.engine = (d if dec.path == "local_prefill" else p).name
-        o.idle_ms = self._idle_ms(d if dec.path == "local_prefill" else p)
+        home = d if dec.path == "local_prefill" else p  # the engine that prefills it
+        o.engine, o.idle_ms = home.name, self._idle_ms(home)
         if not d.fits(tokens) or (dec.path == "disaggregate" and not p.fits(req.prompt_tokens)):
             o.path = "refused"
             return
