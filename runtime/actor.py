@@ -42,6 +42,7 @@ class WorkerConfig:
     # are signed; None outside a secured cluster (in-process tests)
     cluster_keys: dict | None = None
     niceness: int | None = None  # the nice value the process sets for itself at start (runtime.priority)
+    warmup: bool = True          # two dummy prompts through the engine before any request (engine.warmup)
 
     @property
     def keys(self):
@@ -72,6 +73,7 @@ class WorkerActor:
         import torch
 
         from engine.engine import EngineConfig, LLMEngine
+        from engine.warmup import warm_up
         from runtime.model_store import resolve
         from runtime.priority import set_niceness
 
@@ -84,6 +86,8 @@ class WorkerActor:
         self.engine = LLMEngine(EngineConfig(**{**engine, **self.engine_options(), "role": self.role}),
                                 **self.engine_hooks())
         self.handler = self.make_handler(self.config, self.engine)
+        # NOTE: after the handler (a decode pool's held_back asks it), before its loop takes a command
+        self.warmup_s = warm_up(self.engine) if self.config.warmup else 0.0
         self._events = PushQueue(self.config.events_address, keys=self.config.keys)  # the loop thread's
         c = self.config
         loop_config = LoopConfig(c.name, c.heartbeat_s, c.idle_poll_s, c.busy_poll_s, c.call_timeout_s)
