@@ -12,7 +12,8 @@ a few points with few repeats, and every point is one short engine run. The engi
 `threads` torch threads (1, as every worker). Unless `serving` is off, bench.profile_serving also
 measures the serving path (colocated and disaggregated, real clusters: per request, per computed
 prompt token, the cold cost after idling, per token; `fits.serving`, bench.plan.serving) and the
-contention of two engines stepping at once: what the planner adds to the engine.
+contention of two workers streaming at once (`fits.contention`, what the planner applies; the bare
+engines' own, bench.profile_contention, beside it as `fits.contention_engines`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ProfileConfig:
     serving_loaded_rate: float = 15.0  # req/s of the loaded phase: the serving processes' CPU under load
     serving_loaded_requests: int = 60  # requests in it (Poisson arrivals, the lengths above in turn)
     contention_steps: int = 60
+    serving_contention_repeats: int = 5  # alternated pairs (one stream, two at once) of the served contention
     threads: int | None = 1  # torch threads while timing the engine: 1, as every worker (runtime.actor)
 
 
@@ -211,7 +213,12 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
                         "cpu_ms": s[k]["loaded"]["cpu_ms_per_request"]} for k in KINDS}
     f["request_overhead_ms"] = {k: s[k]["request_overhead_ms"] for k in KINDS}  # back to back, median
     f["token_overhead_ms"] = {k: s[k]["token_overhead_ms"] for k in KINDS}
-    f["contention"] = report["contention"]["contention"]
+    # the planner applies the contention measured serving (two workers streaming, bench.profile_serving
+    # .served_contention) where it was measured; the engines' own is kept beside it
+    f["contention_engines"] = report["contention"]["contention"]
+    served = (s.get("colocated", {}).get("served_contention") or {}).get("contention")
+    f["contention_served"] = served
+    f["contention"] = f["contention_engines"] if served is None else served
 
 
 def format_profile(report: dict) -> str:
@@ -235,7 +242,13 @@ def format_profile(report: dict) -> str:
         lines.append(f"serving path ({kind}): {from_fits(f, kind).describe()}")
     if "contention" in f:
         c = report["contention"]
-        lines.append(f"contention: step {c['alone_step_ms']:.2f} ms alone, {c['together_step_ms']:.2f} ms "
-                     f"with another engine stepping -> {f['contention']:.2f} per other busy engine")
+        lines.append(f"contention of the engines: step {c['alone_step_ms']:.2f} ms alone, "
+                     f"{c['together_step_ms']:.2f} ms with another engine stepping -> "
+                     f"{f.get('contention_engines', f['contention']):.2f} per other busy engine")
+        sc = (report.get("serving", {}).get("colocated") or {}).get("served_contention")
+        if sc and sc["contention"] is not None:
+            lines.append(f"contention serving: TPOT {statistics.median(sc['alone_tpot_ms']):.2f} ms with one "
+                         f"worker streaming, {statistics.median(sc['together_tpot_ms']):.2f} ms with two -> "
+                         f"{sc['contention']:.2f} per other busy engine (the planner's)")
     return "\n".join(lines)
 

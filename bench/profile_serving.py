@@ -9,7 +9,8 @@ modelled batch-1 step (and, disaggregated, the migration spread over its interva
 bench.plan.serving.fit_ttft (`fit`: the terms the planner applies), token_ms the median TPOT
 residual; beside them the raw rows, the client's share of TTFT (minus the coordinator's
 `pdserve.ttft_ms`) and this process's CPU per request (the coordinator runs here), alone and under
-Poisson load. The engines' contention is bench.profile_contention's. Bounded: timeouts everywhere,
+Poisson load; colocated, the contention of two workers streaming at once (`served_contention`, what
+the planner applies), beside the engines' own (bench.profile_contention's). Bounded: timeouts everywhere,
 clusters and Ray always stopped.
 """
 
@@ -133,6 +134,60 @@ def _worker_steps(url: str, model, lens, step_budget: int) -> list[dict]:
     return out
 
 
+STREAM_TOKENS, STREAM_PROMPT = 200, 128  # the served contention's streams: tokens each, prompt tokens
+STREAM_OFFSET_S = 0.03  # the second stream's start after the first's: its worker has reported the first
+
+
+def _tpot_ms(r) -> float | None:
+    if not r.ok or r.first_s is None or r.end_s is None or r.output_tokens < 2:
+        return None
+    return (r.end_s - r.first_s) * 1e3 / (r.output_tokens - 1)
+
+
+def served_contention(url: str, rng, repeats: int) -> dict:
+    """The contention engines meet when they serve: a colocated cluster's two workers each streaming
+    one request (STREAM_TOKENS tokens of a STREAM_PROMPT-token prompt, the second sent
+    STREAM_OFFSET_S after the first, so least-loaded routing sends it to the other worker) against
+    one stream alone, alternated `repeats` times; per pair the mean TPOT of the two over the lone
+    one's, and `contention` the median of those ratios minus 1 (at least 0). Beside the two engines,
+    the coordinator and the load client relay both streams' tokens on the same cores, which the
+    engine-only measurement (bench.profile_contention) leaves out: here it measured 0.00-0.04 where
+    two streams ran 1.29-1.76x slower. A pair that landed on one worker (a batch of two, not
+    contention) is left out and counted in `same_worker`."""
+    from bench.loadgen import PROMPT_ID_RANGE, RequestSpec
+    from bench.serve_client import load_in_subprocess
+
+    def spec(i: int, at: float) -> RequestSpec:
+        return RequestSpec(i, at, [int(x) for x in rng.integers(*PROMPT_ID_RANGE, size=STREAM_PROMPT)],
+                           STREAM_TOKENS)
+
+    pairs = []
+    for k in range(repeats):
+        [one] = load_in_subprocess(url, [spec(5000 + 3 * k, 0.0)], 60.0)[0]
+        two = load_in_subprocess(url, [spec(5001 + 3 * k, 0.0), spec(5002 + 3 * k, STREAM_OFFSET_S)], 60.0)[0]
+        pairs.append((one, two))
+    return contention_of(pairs)
+
+
+def contention_of(pairs) -> dict:
+    """served_contention's result from its (one stream's record, the two streams' records) pairs."""
+    alone, together, ratios, same = [], [], [], 0
+    for one, two in pairs:
+        a, t = _tpot_ms(one), [_tpot_ms(r) for r in two]
+        if a is None or None in t:
+            continue
+        if two[0].worker is not None and two[0].worker == two[1].worker:
+            same += 1
+            continue
+        alone.append(a)
+        together.append(statistics.mean(t))
+        ratios.append(together[-1] / a)
+    med = float(statistics.median(ratios)) if ratios else None
+    return {"stream_tokens": STREAM_TOKENS, "prompt_tokens": STREAM_PROMPT, "alone_tpot_ms": alone,
+            "together_tpot_ms": together, "ratios": ratios, "same_worker": same,
+            "contention": None if med is None else max(0.0, med - 1.0)}
+
+
 def _run_kind(url: str, cfg, model, kind: str, seed: int, step_budget: int) -> dict:
     from bench.loadgen import PROMPT_ID_RANGE, RequestSpec
     from bench.serve_client import load_in_subprocess
@@ -154,6 +209,7 @@ def _run_kind(url: str, cfg, model, kind: str, seed: int, step_budget: int) -> d
     alone = load_in_subprocess(url, specs, 60.0)[0]
     cpu, wall = sum(os.times()[:2]) - cpu0, time.monotonic() - wall0
     loaded = _loaded(url, cfg, rng, n_tok)
+    served = served_contention(url, rng, cfg.serving_contention_repeats) if kind == "colocated" else None
     idle = _idle(only + full + alone)
     rows = _rows(full + alone, model, kind, gaps, idle, cached | more)
     fit = fit_ttft([r for r in rows if r["idle_ms"] >= 0])  # an overlapped request queued: not a cost
@@ -166,7 +222,7 @@ def _run_kind(url: str, cfg, model, kind: str, seed: int, step_budget: int) -> d
             "prefill_only_overhead_ms": _median(only_rows, "resid_ms"), "token_overhead_ms": fit["token_ms"],
             "client_ms_p50": _median(rows, "client_ms"),
             "process_cpu_ms_per_request": cpu * 1e3 / max(1, len(full) + len(alone)), "phase_wall_s": wall,
-            "loaded": loaded}
+            "loaded": loaded, **({"served_contention": served} if served else {})}
 
 
 def _loaded(url: str, cfg, rng, n_tok: int) -> dict:
@@ -218,6 +274,11 @@ def measure_serving(cfg, model, log=print) -> dict:
                 f"{o['loaded']['coordinator_cpu_ms_per_request']:.1f} ms, client "
                 f"{o['loaded']['client_cpu_ms_per_request']:.1f} ms (sequential: coordinator "
                 f"{o['process_cpu_ms_per_request']:.1f})")
+            sc = o.get("served_contention")
+            if sc:
+                c = sc["contention"]
+                log(f"  served contention: two workers streaming at once {fmt(c, 2)} (TPOT per pair "
+                    f"{[round(r, 2) for r in sc['ratios']]}x one alone; {sc['same_worker']} on one worker)")
     finally:
         stop_ray(started)
     return out

@@ -78,3 +78,26 @@ def test_disaggregated_rows_put_the_migration_in_tpot_not_ttft():
     assert row["computed"] == 50 and row["resid_ms"] == pytest.approx(10.0 - model.prefill_ms(50))
     mig = model.migration_ms(50)
     assert row["token_resid_ms"] == pytest.approx(2.0 - model.step_ms(1, 102, 0) - mig / 4)
+
+
+def test_served_contention_is_the_median_pair_ratio_and_skips_a_pair_on_one_worker():
+    from bench.profile_serving import contention_of
+
+    def stream(index, step_ms, worker):
+        r = _record(index, 128, 0.0, 5.0, out=11, step_ms=step_ms)
+        r.worker = worker
+        return r
+
+    pairs = [(stream(0, 1.0, "c0"), [stream(1, 1.4, "c0"), stream(2, 1.6, "c1")]),   # 1.5x
+             (stream(3, 2.0, "c0"), [stream(4, 2.2, "c0"), stream(5, 2.2, "c1")]),   # 1.1x
+             (stream(6, 1.0, "c0"), [stream(7, 1.2, "c0"), stream(8, 1.2, "c1")]),   # 1.2x
+             (stream(9, 1.0, "c0"), [stream(10, 1.05, "c0"), stream(11, 1.05, "c0")])]  # a batch of 2: out
+    out = contention_of(pairs)
+    assert out["ratios"] == pytest.approx([1.5, 1.1, 1.2])
+    assert out["contention"] == pytest.approx(0.2) and out["same_worker"] == 1
+    assert out["alone_tpot_ms"] == pytest.approx([1.0, 2.0, 1.0])
+    faster = contention_of([(stream(0, 2.0, "c0"), [stream(1, 1.0, "c0"), stream(2, 1.0, "c1")])])
+    assert faster["contention"] == 0.0  # noise that makes two streams faster is no negative contention
+    failed = _record(20, 128, 0.0, 5.0)
+    failed.ok = False
+    assert contention_of([(failed, [stream(21, 1.0, "c0"), stream(22, 1.0, "c1")])])["contention"] is None

@@ -7,8 +7,10 @@ since one forward pass carries both (Sarathi-style mixed steps). A migration of 
 `m0 + m_byte * T * kv_bytes_per_token`. Negative fitted slopes (noise) are clamped to 0.
 When other engines of the same machine step at the same time, each step is stretched by
 `1 + contention * (other busy engines)` (0: engines never slow each other; 1: two engines on
-cores enough for one); a profile that measured it (`fits.contention`: two engines stepping at once
-against one) supplies the default. The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
+cores enough for one); a profile that measured it supplies the default (`fits.contention`: two
+colocated workers streaming at once against one, `fits.contention_served`; profiles before
+2026-12-03 afternoon: two bare engines stepping at once, which leaves out the coordinator and the
+client relaying the tokens on the same cores: 0.00-0.04 here where serving measured 0.3-0.75). The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
 detokenizing, SSE, the client) adds what the profile's serving part measured per configuration
 kind ('colocated', 'disaggregated'): a bench.plan.serving.ServingPath each (`serving(kind)`; all 0
 for a profile taken with --no-serving; bench.plan.des runs its per-request work in series with the
