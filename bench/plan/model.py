@@ -10,7 +10,7 @@ When other engines of the same machine step at the same time, each step is stret
 cores enough for one); a profile that measured it supplies the default (`fits.contention`: two
 colocated workers streaming at once against one, `fits.contention_served`; profiles before
 2026-12-03 afternoon: two bare engines stepping at once, which leaves out the coordinator and the
-client relaying the tokens on the same cores: 0.00-0.04 here where serving measured 0.3-0.75). The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
+client relaying the tokens on the same cores: 0.00-0.04 here where serving measured 0.46-0.78). The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
 detokenizing, SSE, the client) adds what the profile's serving part measured per configuration
 kind ('colocated', 'disaggregated'): a bench.plan.serving.ServingPath each (`serving(kind)`; all 0
 for a profile taken with --no-serving; bench.plan.des runs its per-request work in series with the
