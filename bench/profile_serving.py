@@ -145,15 +145,15 @@ def _tpot_ms(r) -> float | None:
 
 
 def served_contention(url: str, rng, repeats: int) -> dict:
-    """The contention engines meet when they serve: a colocated cluster's two workers each streaming
-    one request (STREAM_TOKENS tokens of a STREAM_PROMPT-token prompt, the second sent
-    STREAM_OFFSET_S after the first, so least-loaded routing sends it to the other worker) against
-    one stream alone, alternated `repeats` times; per pair the mean TPOT of the two over the lone
-    one's, and `contention` the median of those ratios minus 1 (at least 0). Beside the two engines,
-    the coordinator and the load client relay both streams' tokens on the same cores, which the
+    """The contention engines meet when they serve: a colocated cluster's two workers each streaming one
+    request (STREAM_TOKENS tokens of a STREAM_PROMPT-token prompt, the second sent STREAM_OFFSET_S
+    after the first, so least-loaded routing sends it to the other worker) against one stream alone,
+    alternated `repeats` times; per pair the mean TPOT of the two over the lone one's, and
+    `contention` the median of those ratios minus 1 (at least 0). Beside the two engines, the
+    coordinator and the load client relay both streams' tokens on the same cores, which the
     engine-only measurement (bench.profile_contention) leaves out: on the Intel machine it measured
-    0.00-0.04 where this measured 0.46-0.78 (eight profiles). A pair that landed on one worker (a batch of two, not
-    contention) is left out and counted in `same_worker`."""
+    0.00-0.04 where this measured 0.46-0.78 (eight profiles). A pair that landed on one worker (a
+    batch of two, not contention) is left out and counted in `same_worker`."""
     from bench.loadgen import PROMPT_ID_RANGE, RequestSpec
     from bench.serve_client import load_in_subprocess
 

@@ -1,21 +1,21 @@
 """Step and migration times from a `pdserve profile` JSON. An engine step that decodes B sequences
-holding C context tokens in all and computes K prompt tokens costs
-`max(d0 [B>0], p0 [K>0]) + d_seq*B + d_ctx*C + p*K` ms: the profile's prefill fit (p0 + p*K, one
-prompt alone) and decode fit (d0 + d_seq*B + d_ctx*C, refitted here from the raw rows by least
-squares on both variables where the profile varied both, else on B alone) share one fixed cost,
-since one forward pass carries both (Sarathi-style mixed steps). A migration of T tokens costs
-`m0 + m_byte * T * kv_bytes_per_token`. Negative fitted slopes (noise) are clamped to 0.
-When other engines of the same machine step at the same time, each step is stretched by
-`1 + contention * (other busy engines)` (0: engines never slow each other; 1: two engines on
-cores enough for one); a profile that measured it supplies the default (`fits.contention`: two
-colocated workers streaming at once against one, `fits.contention_served`; profiles before
-2026-12-03 afternoon: two bare engines stepping at once, which leaves out the coordinator and the
-client relaying the tokens on the same cores: 0.00-0.04 here where serving measured 0.46-0.78). The serving path (HTTP, coordinator, ZeroMQ, per-step reports,
-detokenizing, SSE, the client) adds what the profile's serving part measured per configuration
-kind ('colocated', 'disaggregated'): a bench.plan.serving.ServingPath each (`serving(kind)`; all 0
-for a profile taken with --no-serving; bench.plan.des runs its per-request work in series with the
-engine), its cold part stretched by `serving_stretch` when engines are busy (the free cores the
-contention implies, `cores` from the profile's machine).
+holding C context tokens in all and computes K prompt tokens costs `max(d0 [B>0], p0 [K>0]) +
+d_seq*B + d_ctx*C + p*K` ms: the profile's prefill fit (p0 + p*K, one prompt alone) and decode fit
+(d0 + d_seq*B + d_ctx*C, refitted here from the raw rows by least squares on both variables where
+the profile varied both, else on B alone) share one fixed cost, since one forward pass carries both
+(Sarathi-style mixed steps). A migration of T tokens costs `m0 + m_byte * T * kv_bytes_per_token`.
+Negative fitted slopes (noise) are clamped to 0. When other engines of the same machine step at the
+same time, each step is stretched by `1 + contention * (other busy engines)` (0: engines never slow
+each other; 1: two engines on cores enough for one); a profile that measured it supplies the default
+(`fits.contention`: two colocated workers streaming at once against one, `fits.contention_served`;
+profiles before 2026-12-03 afternoon: two bare engines stepping at once, which leaves out the
+coordinator and the client relaying the tokens on the same cores: 0.00-0.04 here where serving
+measured 0.46-0.78). The serving path (HTTP, coordinator, ZeroMQ, per-step reports, detokenizing,
+SSE, the client) adds what the profile's serving part measured per configuration kind ('colocated',
+'disaggregated'): a bench.plan.serving.ServingPath each (`serving(kind)`; all 0 for a profile taken
+with --no-serving; bench.plan.des runs its per-request work in series with the engine), its cold
+part stretched by `serving_stretch` when engines are busy (the free cores the contention implies,
+`cores` from the profile's machine).
 """
 
 from __future__ import annotations
