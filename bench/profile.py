@@ -217,7 +217,6 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
     # .served_contention) where it was measured; the engines' own is kept beside it
     f["contention_engines"] = report["contention"]["contention"]
     served = (s.get("colocated", {}).get("served_contention") or {}).get("contention")
-    f["contention_served"] = served
     f["contention"] = f["contention_engines"] if served is None else served
 
 

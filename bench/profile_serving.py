@@ -139,9 +139,10 @@ STREAM_OFFSET_S = 0.03  # the second stream's start after the first's: its worke
 
 
 def _tpot_ms(r) -> float | None:
-    if not r.ok or r.first_s is None or r.end_s is None or r.output_tokens < 2:
-        return None
-    return (r.end_s - r.first_s) * 1e3 / (r.output_tokens - 1)
+    """bench.serve_metrics.tpot_ms of a request that finished, else None."""
+    from bench.serve_metrics import tpot_ms
+
+    return tpot_ms(r) if r.ok and r.first_s is not None and r.end_s is not None else None
 
 
 def served_contention(url: str, rng, repeats: int) -> dict:

@@ -47,11 +47,8 @@ def warm_up(engine) -> float:
                 break
             engine.step()
     finally:
-        for rid in ids:
-            if rid in engine.prefilled:  # the prefill role holds a first token's blocks for migration
-                engine.release_prefilled(rid)
-            else:
-                engine.abort(rid)  # finished ones are gone already: a no-op
+        for rid in ids:  # a prefill role still holds a finished one's blocks for migration; others: a no-op
+            engine.abort(rid)
         kv.enable_prefix_caching = caching
         engine.steps = steps
         old = engine.scheduler.pacer

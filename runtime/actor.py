@@ -87,7 +87,8 @@ class WorkerActor:
                                 **self.engine_hooks())
         self.handler = self.make_handler(self.config, self.engine)
         # NOTE: after the handler (a decode pool's held_back asks it), before its loop takes a command
-        self.warmup_s = warm_up(self.engine) if self.config.warmup else 0.0
+        if self.config.warmup:
+            warm_up(self.engine)
         self._events = PushQueue(self.config.events_address, keys=self.config.keys)  # the loop thread's
         c = self.config
         loop_config = LoopConfig(c.name, c.heartbeat_s, c.idle_poll_s, c.busy_poll_s, c.call_timeout_s)

@@ -7,7 +7,7 @@ the profile varied both, else on B alone) share one fixed cost, since one forwar
 Negative fitted slopes (noise) are clamped to 0. When other engines of the same machine step at the
 same time, each step is stretched by `1 + contention * (other busy engines)` (0: engines never slow
 each other; 1: two engines on cores enough for one); a profile that measured it supplies the default
-(`fits.contention`: two colocated workers streaming at once against one, `fits.contention_served`;
+(`fits.contention`: two colocated workers streaming at once against one;
 profiles before 2026-12-03 afternoon: two bare engines stepping at once, which leaves out the
 coordinator and the client relaying the tokens on the same cores: 0.00-0.04 here where serving
 measured 0.46-0.78). The serving path (HTTP, coordinator, ZeroMQ, per-step reports, detokenizing,
