@@ -152,3 +152,19 @@ def test_hf_config_variants():
     assert cfg.rope_scaling_dict["rope_type"] == "linear" and cfg.rope_scaling_dict["factor"] == 2.0
     assert cfg.eos_token_ids == (7, 9) and cfg.eos_token_id == 7 and cfg.dtype == "bfloat16"
     assert cfg.kv_layout(8, torch.float16).dtype == "float16"
+
+
+def test_initializers_are_skipped_only_while_the_model_is_built(checkpoint):
+    """engine.loader swaps torch.nn.init's initializers for no-ops around the meta build: after a
+    load, and after a build that raised, they initialise again."""
+    from engine import loader
+
+    originals = {n: getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}
+    load_model(checkpoint.dir, backend="torch")
+    with pytest.raises(RuntimeError, match="mid-build"), loader._initializers_skipped():
+        assert torch.nn.init.normal_ is not originals["normal_"]
+        raise RuntimeError("mid-build")
+    assert {n: getattr(torch.nn.init, n) for n in originals} == originals
+    w = torch.zeros(64)
+    torch.nn.init.normal_(w)
+    assert w.abs().sum() > 0
