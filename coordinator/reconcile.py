@@ -12,7 +12,11 @@ queued command only in its next reports, so neither time nor one report alone is
   more: the request is failed loudly. A request the worker has not listed yet has not vanished:
   its command may still wait in the worker's actor queue (Ray delivers it behind slower calls,
   seconds late on a loaded machine) or in the loop's queue behind a long step, and the
-  coordinator's event timeout bounds a command that never arrives;
+  coordinator's event timeout bounds a command that never arrives. Nor has a request whose every
+  token has arrived (`generated`): its worker finished it and freed its blocks, and the coordinator
+  waits only for the prefill worker's report of the migration (a busy prefill worker sends it
+  seconds later on a loaded machine; counting it vanished failed a request that was answered
+  right, 2026-12-03);
 - `unowned`: the worker's used blocks exceed what its requests account for (a leak inside the
   worker): counted and logged; only the worker can free them.
 """
@@ -36,9 +40,11 @@ class Reconciler:
         self._listed: dict[tuple[str, str], int] = {}  # (worker, request) -> epoch it was last listed under
 
     def check(self, worker: str, role: str, stats: dict, holdings: dict[str, int],
-              assigned: dict[str, set[str]]) -> tuple[list[str], list[str]]:
-        """assigned: live request id -> the workers it currently runs on. Returns the requests to
-        abort on `worker` (orphans) and the requests to fail (their blocks vanished)."""
+              assigned: dict[str, set[str]], generated: frozenset[str] = frozenset()
+              ) -> tuple[list[str], list[str]]:
+        """assigned: live request id -> the workers it currently runs on; generated: live requests
+        whose every token has arrived. Returns the requests to abort on `worker` (orphans) and the
+        requests to fail (their blocks vanished)."""
         now, seen = time.monotonic(), set()
         orphans = [rid for rid in holdings if worker not in assigned.get(rid, ())]
         vanished, live = [], set()
@@ -47,7 +53,7 @@ class Reconciler:
             live.add(key)
             responsible = entry.owner == worker and (
                 entry.phase is Phase.DECODING or (entry.phase is Phase.PREFILLING and role == "prefill"))
-            if not responsible:
+            if not responsible or entry.request_id in generated:
                 continue
             if entry.request_id in holdings:
                 self._listed[key] = entry.epoch

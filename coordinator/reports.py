@@ -70,8 +70,9 @@ class ReportsMixin:
         if worker.role == "decode":
             self._wake_first_waiter()  # its room may have changed: the first waiting request tries
         assigned = {rid: {r.prefill, r.decode} for rid, r in self._requests.items()}
+        generated = frozenset(rid for rid, r in self._requests.items() if all(r.done))
         orphans, vanished = self.reconciler.check(worker.name, worker.role, worker.stats, worker.holdings,
-                                                  assigned)
+                                                  assigned, generated)
         for rid in orphans:
             tell(worker, Abort(rid))
         for rid in vanished:

@@ -131,3 +131,24 @@ def test_a_request_its_worker_never_listed_has_not_vanished(monkeypatch):
     now[0] += 5
     later = [reconciler.check("p0", "prefill", {"used_blocks": 0}, {}, assigned) for _ in range(3)]
     assert later == [([], [])] * 3
+
+
+def test_a_request_whose_every_token_arrived_has_not_vanished(monkeypatch):
+    """The decode worker finished the request and freed its blocks; the coordinator still waits for
+    the prefill worker's report of the migration (seconds late from a busy prefill worker). Its
+    absence from the decode worker's reports is no discrepancy; without every token it would be."""
+    now, led, counted, reconciler = _reconciler(monkeypatch)
+    led.open("done")
+    led.move("done", Phase.DECODING, "d0")
+    assigned = {"done": {"p0", "d0"}}
+    assert reconciler.check("d0", "decode", {"used_blocks": 2}, {"done": 2}, assigned) == ([], [])
+    for _ in range(5):
+        now[0] += 0.6
+        got = reconciler.check("d0", "decode", {"used_blocks": 0}, {}, assigned, frozenset({"done"}))
+        assert got == ([], [])
+    assert counted == []
+    results = []
+    for _ in range(3):
+        now[0] += 0.6
+        results.append(reconciler.check("d0", "decode", {"used_blocks": 0}, {}, assigned))
+    assert results[-1] == ([], ["done"]) and counted == ["vanished"]
