@@ -154,13 +154,13 @@ def test_hf_config_variants():
     assert cfg.kv_layout(8, torch.float16).dtype == "float16"
 
 
-def test_initializers_are_skipped_only_while_the_model_is_built():
+def test_initializers_are_skipped_only_while_the_model_is_built(tmp_path):
     """engine.loader swaps torch.nn.init's initializers for no-ops around the meta build: after a
     load, and after a build that raised, they initialise again."""
     from engine import loader
 
     originals = {n: getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}
-    load_model("tiny", backend="torch")  # built through the same meta path as a checkpoint
+    load_model(Checkpoint(next(iter(CASES)), tmp_path).dir, backend="torch")  # one case: the meta build
     with pytest.raises(RuntimeError, match="mid-build"), loader._initializers_skipped():
         assert torch.nn.init.normal_ is not originals["normal_"]
         raise RuntimeError("mid-build")
