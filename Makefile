@@ -35,12 +35,7 @@ test: $(STAMP)
 	# PYTHONDONTWRITEBYTECODE is emptied for the run (these machines set it): the hundreds of Ray worker and
 	# CLI processes the suite starts then read the project's compiled modules instead of compiling each
 	# again (0.2-0.25 s a process), and pytest keeps its rewritten test modules (__pycache__ is git-ignored).
-	# RAY_worker_niceness=0: the Ray instances the tests start run their workers at nice 0, as the pytest
-	# workers are, not Ray's 15. At 15 one test's engines got about 1/28 of the CPU whenever another pytest
-	# worker computed: 2026-12-03, two nice-0 CPU hogs beside a SmolLM2 1P+1D cluster made a 172-token
-	# prompt take 43 s and the next ones time out (504), against 1.6-3.9 s with workers at 0; a fresh
-	# CI machine saw a cluster take 76 s to start and the demo's streamed migration fall back.
-	RAY_worker_niceness=0 PYTHONDONTWRITEBYTECODE= TRITON_INTERPRET=$$($(BIN)/python -c 'import torch; print(0 if torch.cuda.is_available() else 1)') \
+	PYTHONDONTWRITEBYTECODE= TRITON_INTERPRET=$$($(BIN)/python -c 'import torch; print(0 if torch.cuda.is_available() else 1)') \
 		$(BIN)/python -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 lint: $(STAMP)

@@ -14,6 +14,14 @@ settings.register_profile("ci", deadline=None, suppress_health_check=[HealthChec
                           derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# Every Ray the tests start (here, or in a CLI subprocess, which inherits this environment) runs its
+# workers at nice 0, as the pytest workers are, not Ray's 15. At 15 one test's engines got about 1/28
+# of the CPU whenever another pytest worker computed: 2026-12-03, two nice-0 CPU hogs beside a SmolLM2
+# 1P+1D cluster made a 172-token prompt take 43 s and the next ones time out (504), against 1.6-3.9 s
+# with workers at 0; a fresh CI machine saw a cluster take 76 s to start and the demo's streamed
+# migration fall back.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # The test models are tiny: one intra-op thread is faster than two fighting over 2 cores.
 torch.set_num_threads(1)
 
