@@ -203,6 +203,25 @@ def summarize(bench: str, record: dict) -> list[Row]:
     return []
 
 
+# The README's results table: (bench, start of a figure) on HEADLINE_MACHINE, in this order.
+HEADLINE_MACHINE = "amd-epyc-f25m1"
+HEADLINE = (("engine-tiny-short", "tokens/s"), ("engine-tiny-long", "tokens/s"),
+            ("engine-smollm2-long", "tokens/s"), ("weights-gguf-1thread", "gguf: single-stream"),
+            ("weights-gguf-1thread", "gguf: perplexity"), ("migrate-quick", "zmq-tcp"),
+            ("migrate-quick", "zmq-shm"), ("chaos-quick", "wrong"), ("chaos-quick", "corruptions"),
+            ("fuzz-20000", ""))
+
+
+def headline(results_dir: Path = RESULTS_DIR, machine: str = HEADLINE_MACHINE) -> list[str]:
+    """The headline table's Markdown lines: one row per HEADLINE entry, from the machine's latest runs."""
+    runs = load(results_dir)[machine]
+    lines = ["| benchmark | figure | pdserve | baseline | ratio |", "|---|---|---|---|---|"]
+    for bench, start in HEADLINE:
+        row = next(r for r in summarize(bench, runs[bench]) if r[0].startswith(start))
+        lines.append(f"| `{bench}` | " + " | ".join(row) + " |")
+    return lines
+
+
 def describe_machine(runs: dict[str, dict]) -> str:
     """One line on the machine, from the first run that recorded it."""
     for record in runs.values():
@@ -226,7 +245,7 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
              "of each benchmark on each machine; do not edit by hand. Each figure sits beside the baseline",
              "measured in the same run. How to run each benchmark and read it:",
              "[benchmarks.md](benchmarks.md).",
-             ""]
+             "", f"## Headline ({HEADLINE_MACHINE}, the table in the README)", "", *headline(results_dir), ""]
     for machine, runs in machines.items():
         lines += [f"## {machine}", "", describe_machine(runs), ""]
         for bench, record in runs.items():
