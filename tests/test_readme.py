@@ -117,3 +117,13 @@ def test_readme_example_answers_as_shown(cluster, index):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert matches(shown, done.stdout), f"shown:\n{shown}\ngot:\n{done.stdout}"
+
+
+def test_every_relative_link_of_the_manual_resolves():
+    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in link.findall(page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
