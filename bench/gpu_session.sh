@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tier in one prepared run on a CUDA machine (what docs/gpu-results.md records):
+# The GPU tier in one prepared run on a CUDA machine (what docs/gpu.md records):
 # - the CUDA tests: compiled Triton kernels against the torch reference, device-pool migration,
 #   the Triton engine's greedy tokens;
 # - `pdserve bench kernels` with the device's copy bandwidth, and the kernels' launch-parameter

@@ -30,7 +30,7 @@ class ClusterConfig:
     torch_threads: int = 0
     # the nice value each worker process sets for itself at start (runtime.priority); None: keep the
     # one Ray gave it (15 unless RAY_worker_niceness says otherwise), below the coordinator and every
-    # other process on the node, which measured no worse for serving on 2 cores (docs/plan.md)
+    # other process on the node, which measured no worse for serving on 2 cores (docs/planner.md)
     worker_niceness: int | None = None
     start_timeout_s: float = 180.0    # bound on workers loading and handshaking
     call_timeout_s: float = 10.0      # bound on one command to a worker

@@ -4,7 +4,7 @@ other process at nice 0 (a nice-0 process gets about 28 times the CPU of a nice-
 want it). `ClusterConfig.worker_niceness` lets a worker set its own nice value at start, on every
 thread it has (Linux keeps a nice value per thread; threads started later inherit it). It is off
 by default: on the development machine's 2 cores, engines at 0 served no better than at 15,
-because the coordinator every token passes through then waits for them (docs/plan.md). Raising
+because the coordinator every token passes through then waits for them (docs/planner.md). Raising
 priority needs CAP_SYS_NICE or an RLIMIT_NICE that allows it: where neither does, the worker keeps
 Ray's value and says so once (a local Ray started with RAY_worker_niceness=0 in the environment
 starts its workers at 0 with no privilege). /v1/cluster shows each worker's nice value.

@@ -22,7 +22,7 @@ migration, when it arrived; before 2026-12-02 night: how long the whole cluster 
 a request landing on an idle worker beside a busy one warm), times the model's
 `serving_stretch(engines busy then)`, plus `overhead_ms` (an extra, from the command line).
 Running the serving work in series with the engine, instead of adding it to each TTFT
-afterwards, is what made the model follow the queueing measured at 10-20 req/s (docs/plan.md).
+afterwards, is what made the model follow the queueing measured at 10-20 req/s (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Simulation:
 
     def _idle_ms(self, e: SimEngine) -> float:
         """How long engine `e` has had nothing to do (0: it steps, holds work, or sends or receives
-        a migration). Re-simulating the 16 saved validations (docs/plan.md): TTFT p50 within 25% in
+        a migration). Re-simulating the 16 saved validations (docs/planner.md): TTFT p50 within 25% in
         54 cells of 90 against 50 with the whole cluster's idle time, per class 34 of 42 against 31,
         the goodput ranking matched in 15 runs of 16 against 14."""
         moving = any(src is e for src, _ in self._lease.values())
