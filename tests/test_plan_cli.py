@@ -106,3 +106,19 @@ def test_the_plot_gives_every_configuration_its_own_marker_and_line_style():
     assert len(lines) == 5
     looks = {(ln.get_marker(), ln.get_linestyle(), ln.get_markersize()) for ln in lines}
     assert len(looks) == 5 and all(ln.get_fillstyle() == "none" for ln in lines)
+
+
+def test_profile_and_validation_serve_the_model_asked_for():
+    from bench.plan.validate import _serve_config
+    from bench.profile import ProfileConfig
+    from bench.serve import setups
+    from bench.serve_metrics import SLO
+    from pdserve_cli.cmd_up import DEFAULTS
+
+    assert ProfileConfig().model == DEFAULTS["model"] == "smollm2"  # profile defaults to up's model
+    cfg = _serve_config([1.0], 10, SLO(ttft_ms=900.0, tpot_ms=40.0), model="smollm2", step_budget=256)
+    assert cfg.model == "smollm2" and cfg.slo_scale.fixed and cfg.slo == SLO(900.0, 40.0)
+    assert [(s.mode, s.step_budget, s.label) for s in setups(cfg)] == [
+        ("colocated", 256, "colocated"), ("disaggregated", 256, "disaggregated"),
+        ("per_request", 256, "per-request")]
+    assert _serve_config([1.0], 10, SLO()).model == "tiny"  # saved validations from before: tiny
