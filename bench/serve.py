@@ -75,6 +75,8 @@ class ServeBenchConfig:
     decode: engines of the disaggregated mode; the colocated mode gets prefill + decode engines doing
     both phases. step_budget: tokens per engine step (max_num_batched_tokens) of the disaggregated
     engines. colocated_budgets: the colocated mode's chunk budgets, one setup each (): step_budget.
+    step_target_s: ClusterConfig.step_target_s, the engines' step pacer; 0 (default) turns it off so
+    that a step is the chunk budget (the knob compared), None keeps the cluster's default.
     pin_workers: every worker on one thread and a core of its own (ClusterConfig.pin_cpus).
     transport: KV migration transport. block_size / num_blocks: each engine's KV pool. url / mode:
     a running coordinator and its mode (then `modes` and `streamed` are ignored). slo: the fixed
@@ -99,6 +101,7 @@ class ServeBenchConfig:
     decode: int = 1
     step_budget: int = 512
     colocated_budgets: tuple[int, ...] = (128, 256, 512)
+    step_target_s: float | None = 0.0
     pin_workers: bool = True
     transport: str = "zmq"
     block_size: int = 16
@@ -425,6 +428,8 @@ def cluster_config(mode: str, cfg: ServeBenchConfig, streamed: bool = True, step
               "num_blocks": cfg.num_blocks, "start_timeout_s": cfg.start_timeout_s, "engine": engine}
     if cfg.pin_workers:
         common.update(torch_threads=1, pin_cpus=tuple(_cpus()))
+    if cfg.step_target_s is not None:
+        common["step_target_s"] = cfg.step_target_s
     if mode in ("disaggregated", "per_request"):
         return ClusterConfig(prefill=cfg.prefill, decode=cfg.decode, stream_migration=streamed,
                              disaggregate="auto" if mode == "per_request" else "always", **common)
@@ -526,6 +531,7 @@ def run_bench(cfg: ServeBenchConfig, log=print) -> dict:
                                                          if s.mode == "disaggregated"],
                        "step_budget": None if cfg.url else cfg.step_budget,
                        "colocated_budgets": None if cfg.url else list(colocated_budgets(cfg)),
+                       "step_target_s": None if cfg.url else cfg.step_target_s,
                        "pin_workers": cfg.pin_workers, "cpus": _cpus(), "quick": cfg.quick,
                        "p99_note": note, "bench_pid": os.getpid(), "client": "subprocess"},
             "runs": runs, "overhead": overhead, "goodput": goodput, **compare(goodput), "placement": where}

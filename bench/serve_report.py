@@ -109,7 +109,8 @@ def format_table(report: dict) -> str:
         share = "migration_share_of_ttft"
         yes = "yes" if r.get("streamed") else "no"
         mig = f"{r.get('streamed_migrations', 0)}/{r['migrated']}" if r["mode"] != "colocated" else "-"
-        lines.append(f"| {r['mode']} | {yes} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
+        name = run_label(r) if r["mode"] == "colocated" else r["mode"]  # colocated-N: its chunk budget
+        lines.append(f"| {name} | {yes} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
                      f"{_p(r, 'ttft_ms', 'p50')} | {_p(r, 'ttft_ms', 'p99')} | {_p(r, 'tpot_ms', 'p50')} | "
                      f"{_p(r, 'tpot_ms', 'p99')} | {_p(r, 'itl_ms', 'p99')} | {r['throughput_tok_s']:.0f} | "
                      f"{r['goodput_req_s']:.2f} | "

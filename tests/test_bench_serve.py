@@ -358,3 +358,9 @@ def test_cluster_config_serves_the_model_asked_for():
     real = bs.cluster_config("disaggregated", bs.ServeBenchConfig())  # SmolLM2 by default, gguf weights
     assert real.model == "smollm2" and real.engine["weights"] == "gguf" and real.prefill == real.decode == 1
     assert bs.cluster_config("colocated", bs.ServeBenchConfig(pin_workers=False)).pin_cpus == ()
+    # the step pacer off: a step is the chunk budget compared; None keeps the cluster's own pacer
+    from coordinator.config import ClusterConfig
+
+    assert tiny.step_target_s == 0.0
+    kept = bs.cluster_config("colocated", bs.ServeBenchConfig(model="tiny", step_target_s=None))
+    assert kept.step_target_s == ClusterConfig().step_target_s > 0
