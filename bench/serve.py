@@ -82,7 +82,9 @@ class ServeBenchConfig:
     a running coordinator and its mode (then `modes` and `streamed` are ignored). slo: the fixed
     SLOs (used where slo_scale's multiple is None). slo_scale: the SLO multiples of the unloaded
     TTFT and TPOT (bench.serve_slo). search_steps: measurements per goodput search; search_start:
-    its first rate (None: from the unloaded times, the same for every setup). seed: base seed of
+    its first rate (None: from the unloaded times, the same for every setup); search_span: it stays
+    within [start / span, start x span] (a goodput below is reported as 0 with the bracket's failing
+    rate: it bounds the run's length, since a step at rate r takes num_requests / r s). seed: base seed of
     every prompt set. overhead_requests: requests per kind in the overhead measurement, the
     calibration (0 skips it: then the SLOs must be fixed). warmup_requests: sent before measuring.
     request_timeout_s: bound on one request. start_timeout_s: bound on a cluster coming up.
@@ -112,6 +114,7 @@ class ServeBenchConfig:
     slo_scale: SLOScale = SLOScale()
     search_steps: int = 6
     search_start: float | None = None
+    search_span: float = 8.0
     seed: int = 0
     overhead_requests: int = 8
     warmup_requests: int = 3
@@ -135,8 +138,9 @@ class ServeBenchConfig:
             raise ValueError(f"streamed must name True and/or False once each, got {self.streamed}")
         if self.trace is None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
-        if self.search_steps < 1:
-            raise ValueError(f"search_steps must be >= 1, got {self.search_steps}")
+        if self.search_steps < 1 or not self.search_span > 1:
+            raise ValueError(f"search_steps must be >= 1 and search_span > 1, got {self.search_steps}, "
+                             f"{self.search_span}")
         if self.search_start is not None and not (self.search_start > 0 and math.isfinite(self.search_start)):
             raise ValueError(f"search_start must be finite and > 0 requests/s, got {self.search_start}")
         if not self.slo_scale.fixed and self.overhead_requests < 1:
@@ -144,7 +148,7 @@ class ServeBenchConfig:
                              "or give both SLOs in ms")
 
 
-QUICK = ServeBenchConfig(num_requests=24, search_steps=4, preset="mixed", streamed=(True,),
+QUICK = ServeBenchConfig(num_requests=24, search_steps=4, search_span=4.0, preset="mixed", streamed=(True,),
                          colocated_budgets=(128, 512), overhead_requests=4, warmup_requests=2, quick=True)
 
 
@@ -316,9 +320,8 @@ def calibrate(overhead: dict | None, cfg: ServeBenchConfig, measured_on: str, lo
 
 
 def _search_config(cfg: ServeBenchConfig, start: float) -> sg.SearchConfig:
-    base = sg.SearchConfig()
-    start = min(max(start, base.min_rate), base.max_rate)
-    return sg.SearchConfig(start_rate=start, steps=cfg.search_steps, seed=cfg.seed)
+    return sg.SearchConfig(start_rate=start, steps=cfg.search_steps, seed=cfg.seed,
+                           min_rate=start / cfg.search_span, max_rate=start * cfg.search_span)
 
 
 def one_run(url: str, setup: Setup, cfg: ServeBenchConfig, slo: SLO, rate: float, seed: int,
@@ -378,12 +381,16 @@ def bench_target(url: str, setup: Setup, cfg: ServeBenchConfig, log, streamed: b
                 start = sg.SearchConfig().start_rate
         calibration = {"slo": slo, "record": rec, "start": start}
         if not cfg.rates and rec["unloaded_ttft_ms"] and rec["unloaded_tpot_ms"]:
-            est = serve_slo.estimate_seconds(len(setups(cfg)) if not cfg.url else 1, cfg.search_steps,
-                                             cfg.num_requests, start, rec["unloaded_ttft_ms"],
-                                             rec["unloaded_tpot_ms"], mean_output(cfg), cfg.overhead_requests)
-            calibration["estimate_s"] = est
+            n_setups = len(setups(cfg)) if not cfg.url else 1
+            args = (cfg.num_requests, rec["unloaded_ttft_ms"], rec["unloaded_tpot_ms"], mean_output(cfg),
+                    cfg.overhead_requests)
+            est = serve_slo.estimate_seconds(n_setups, [start] * cfg.search_steps, *args)
+            worst = serve_slo.estimate_seconds(n_setups, serve_slo.slowest_rates(start, cfg.search_steps,
+                                                                                cfg.search_span), *args)
+            calibration.update(estimate_s=est, worst_case_s=worst)
             log(f"  goodput search from {start:.3g} req/s, {cfg.search_steps} steps x {cfg.num_requests} "
-                f"requests per setup: about {est / 60:.0f} min in all (bench.serve_slo.estimate_seconds)")
+                f"requests per setup: about {est / 60:.0f} min in all, at most {worst / 60:.0f} "
+                f"(bench.serve_slo.estimate_seconds)")
     slo = calibration["slo"]
     runs: list[dict] = []
     if cfg.rates:
@@ -524,6 +531,8 @@ def run_bench(cfg: ServeBenchConfig, log=print) -> dict:
                                                           "start_rate": calibration and calibration["start"],
                                                           "requests_per_step": cfg.num_requests},
                        "estimate_s": calibration and calibration.get("estimate_s"),
+                       "worst_case_s": calibration and calibration.get("worst_case_s"),
+                       "search_span": cfg.search_span,
                        "num_requests": cfg.num_requests, "model": cfg.model, "weights": cfg.weights,
                        "modes": [cfg.mode] if cfg.url else list(cfg.modes), "prefill": cfg.prefill,
                        "decode": cfg.decode, "transport": cfg.transport, "seed": cfg.seed, "url": cfg.url,

@@ -71,14 +71,22 @@ def start_rate(workers: int, unloaded_ttft_ms: float, unloaded_tpot_ms: float, m
     return workers / max(e2e_s, 1e-3)
 
 
-def estimate_seconds(setups: int, steps: int, requests: int, rate: float, unloaded_ttft_ms: float,
+def estimate_seconds(setups: int, rates: list[float], requests: int, unloaded_ttft_ms: float,
                      unloaded_tpot_ms: float, mean_output: float, calibration_requests: int,
                      start_s: float = 40.0) -> float:
     """A run's length: per setup, its start (`start_s`: the model's load and warm-up), the calibration
-    (`calibration_requests` prefill-only plus as many full requests, one at a time) and `steps`
-    runs of `requests` sent at about `rate` req/s, each ending one unloaded request after its last
-    arrival. The search moves the rate; one halving doubles that step's sending time."""
+    (`calibration_requests` prefill-only plus as many full requests, one at a time) and one run of
+    `requests` per rate in `rates` (req/s), each ending one unloaded request after its last arrival."""
     e2e_s = (unloaded_ttft_ms + max(0.0, mean_output - 1) * unloaded_tpot_ms) / 1000.0
     calibration = calibration_requests * (unloaded_ttft_ms / 1000.0 + e2e_s)
-    step = requests / max(rate, 1e-6) + e2e_s
-    return setups * (start_s + calibration + steps * step)
+    steps = sum(requests / max(rate, 1e-6) + e2e_s for rate in rates)
+    return setups * (start_s + calibration + steps)
+
+
+def slowest_rates(start: float, steps: int, span: float) -> list[float]:
+    """The rates of the longest search: every step fails, so each halves the rate, down to start / span
+    (then it stops)."""
+    out, floor = [start], start / span
+    while len(out) < steps and out[-1] > floor * (1 + 1e-9):
+        out.append(max(floor, out[-1] / 2))
+    return out

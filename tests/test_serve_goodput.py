@@ -93,6 +93,20 @@ def test_slos_are_multiples_of_the_unloaded_times():
 
 def test_run_length_estimate_from_the_unloaded_times():
     # 1 setup, 2 steps of 10 requests at 2 req/s; e2e 0.1 + 9 x 0.01 = 0.19 s; calibration 2 x (0.1 + 0.19)
-    est = serve_slo.estimate_seconds(1, 2, 10, 2.0, 100.0, 10.0, 10.0, 2, start_s=30.0)
-    assert est == pytest.approx(30.0 + 2 * 0.29 + 2 * (5.0 + 0.19))
+    est = serve_slo.estimate_seconds(1, [2.0, 1.0], 10, 100.0, 10.0, 10.0, 2, start_s=30.0)
+    assert est == pytest.approx(30.0 + 2 * 0.29 + (5.0 + 0.19) + (10.0 + 0.19))
     assert serve_slo.start_rate(2, 100.0, 10.0, 10.0) == pytest.approx(2 / 0.19)
+    # the longest search halves from its start down to start / span, then stops
+    assert serve_slo.slowest_rates(4.0, 6, 4.0) == [4.0, 2.0, 1.0]
+    assert serve_slo.slowest_rates(4.0, 6, 3.0) == [4.0, 2.0, pytest.approx(4 / 3)]
+    assert serve_slo.slowest_rates(4.0, 2, 8.0) == [4.0, 2.0]
+
+
+def test_the_search_keeps_within_its_span_as_bench_serve_sets_it():
+    from bench.serve import ServeBenchConfig, _search_config
+
+    scfg = _search_config(ServeBenchConfig(search_span=4.0, search_steps=6), 2.0)
+    assert (scfg.min_rate, scfg.max_rate, scfg.steps) == (0.5, 8.0, 6)
+    measure, calls = _curve(0.1)
+    r = sg.search(measure, scfg)
+    assert [c[0] for c in calls] == [2.0, 1.0, 0.5] and r["bracket"] == [None, 0.5]
