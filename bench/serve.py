@@ -148,7 +148,7 @@ class ServeBenchConfig:
                              "or give both SLOs in ms")
 
 
-QUICK = ServeBenchConfig(num_requests=24, search_steps=4, search_span=4.0, preset="mixed", streamed=(True,),
+QUICK = ServeBenchConfig(num_requests=20, search_steps=4, search_span=4.0, preset="mixed", streamed=(True,),
                          colocated_budgets=(128, 512), overhead_requests=4, warmup_requests=2, quick=True)
 
 

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     from bench.serve_slo import TPOT_MULTIPLE, TTFT_MULTIPLE
 
     p.add_argument("--quick", action="store_true",
-                   help="the mixed preset, 24 requests per search step, 4 steps, colocated at chunk budgets "
+                   help="the mixed preset, 20 requests per search step, 4 steps, colocated at chunk budgets "
                         "128 and 512, streamed disaggregation only (sized to finish within 15 minutes on "
                         "SmolLM2 on 2 cores; docs/benchmarks-serving.md)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
