@@ -428,9 +428,10 @@ def cluster_config(mode: str, cfg: ServeBenchConfig, streamed: bool = True, step
 
     engine: dict = {"scheduler": {"max_num_batched_tokens": step_budget or cfg.step_budget}}
     if cfg.weights or cfg.model != "tiny":  # tiny keeps the engine's own (f32) weights, as the tests
-        from pdserve_cli.weights_arg import resolve
+        from engine.gguf import is_gguf_spec
 
-        engine["weights"] = resolve(cfg.weights, None, cfg.model)
+        # NOTE: `pdserve up`'s CPU default (pdserve_cli.weights_arg): a GGUF model's own blocks, else bf16
+        engine["weights"] = cfg.weights or ("gguf" if is_gguf_spec(cfg.model) else "bf16")
     common = {"transport": cfg.transport, "model": cfg.model, "block_size": cfg.block_size,
               "num_blocks": cfg.num_blocks, "start_timeout_s": cfg.start_timeout_s, "engine": engine}
     if cfg.pin_workers:
