@@ -54,13 +54,18 @@ def test_pin_to_a_cpu_the_process_may_not_use_leaves_it_unpinned(caplog):
     assert "not among the CPUs" in caplog.text
 
 
-def test_startup_profile_times_the_warm_up_prompts_on_a_warm_engine():
+@pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
+def test_startup_profile_times_the_warm_up_prompts_on_a_warm_engine(role):
     from engine.engine import EngineConfig, LLMEngine
     from engine.warmup import startup_profile, warm_up, warmup_prompts
 
-    e = LLMEngine(EngineConfig(model="tiny", block_size=16, num_blocks=256, role="colocated"))
+    e = LLMEngine(EngineConfig(model="tiny", block_size=16, num_blocks=256, role=role))
+    free = e.kv.usage()["free_blocks"]
     warm_up(e)
     prof = startup_profile(e)
     assert prof["prefill_tokens"] == sum(len(p) for p in warmup_prompts(e))
-    assert prof["prefill_ms_per_token"] > 0 and prof["decode_step_ms"] > 0 and prof["seconds"] > 0
+    assert prof["prefill_ms_per_token"] > 0 and prof["seconds"] > 0
+    # a prefill worker stops at the first token: no decode step to time
+    assert (prof["decode_step_ms"] is None) == (role == "prefill")
     assert e.steps == 0 and not e.requests and not e.has_work()  # left as it started
+    assert e.kv.usage()["free_blocks"] == free
