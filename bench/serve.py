@@ -77,6 +77,9 @@ class ServeBenchConfig:
     engines. colocated_budgets: the colocated mode's chunk budgets, one setup each (): step_budget.
     step_target_s: ClusterConfig.step_target_s, the engines' step pacer; 0 (default) turns it off so
     that a step is the chunk budget (the knob compared), None keeps the cluster's default.
+    decide_profile: a `pdserve profile --json` file whose crossover and prefill ms per token price the
+    per-request mode's decisions (coordinator.decide.from_profile); None: the decode worker's own
+    startup timing.
     pin_workers: every worker on one thread and a core of its own (ClusterConfig.pin_cpus).
     transport: KV migration transport. block_size / num_blocks: each engine's KV pool. url / mode:
     a running coordinator and its mode (then `modes` and `streamed` are ignored). slo: the fixed
@@ -104,6 +107,7 @@ class ServeBenchConfig:
     step_budget: int = 512
     colocated_budgets: tuple[int, ...] = (128, 256, 512)
     step_target_s: float | None = 0.0
+    decide_profile: str | None = None
     pin_workers: bool = True
     transport: str = "zmq"
     block_size: int = 16
@@ -438,6 +442,13 @@ def cluster_config(mode: str, cfg: ServeBenchConfig, streamed: bool = True, step
         common.update(torch_threads=1, pin_cpus=tuple(_cpus()))
     if cfg.step_target_s is not None:
         common["step_target_s"] = cfg.step_target_s
+    if mode == "per_request" and cfg.decide_profile:
+        import json
+
+        from coordinator.decide import from_profile
+
+        with open(cfg.decide_profile) as f:
+            common.update(from_profile(json.load(f)))
     if mode in ("disaggregated", "per_request"):
         return ClusterConfig(prefill=cfg.prefill, decode=cfg.decode, stream_migration=streamed,
                              disaggregate="auto" if mode == "per_request" else "always", **common)
@@ -542,6 +553,7 @@ def run_bench(cfg: ServeBenchConfig, log=print) -> dict:
                        "step_budget": None if cfg.url else cfg.step_budget,
                        "colocated_budgets": None if cfg.url else list(colocated_budgets(cfg)),
                        "step_target_s": None if cfg.url else cfg.step_target_s,
+                       "decide_profile": cfg.decide_profile,
                        "pin_workers": cfg.pin_workers, "cpus": _cpus(), "quick": cfg.quick,
                        "p99_note": note, "bench_pid": os.getpid(), "client": "subprocess"},
             "runs": runs, "overhead": overhead, "goodput": goodput, **compare(goodput), "placement": where}

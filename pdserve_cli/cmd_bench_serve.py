@@ -65,6 +65,8 @@ def add_arguments(p) -> None:
     p.add_argument("--colocated-budgets", type=_ints, metavar="T1,T2",
                    help="the colocated mode's chunk budgets, one setup each; the best is the baseline "
                         "(default 128,256,512)")
+    p.add_argument("--decide-profile", metavar="FILE", help="a `pdserve profile --json` file pricing the "
+                   "per-request mode's decisions (default: each decode worker's own startup timing)")
     p.add_argument("--no-pin", action="store_true",
                    help="leave workers unpinned (default: one thread each, on a core of its own)")
     p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
@@ -90,7 +92,7 @@ def _overrides(args, cfg) -> dict:
                         ("transport", "transport"), ("step_budget", "step_budget"), ("url", "url"),
                         ("mode", "mode"), ("model", "model"), ("weights", "weights"), ("trace", "trace"),
                         ("search_steps", "search_steps"), ("search_start", "search_start"),
-                        ("colocated_budgets", "colocated_budgets")):
+                        ("colocated_budgets", "colocated_budgets"), ("decide_profile", "decide_profile")):
         v = getattr(args, flag)
         if v:
             over[field] = v

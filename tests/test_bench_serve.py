@@ -352,7 +352,7 @@ def test_placement_says_when_workers_share_a_core():
     assert bs.placement(2, [0, 1], False) == {"pinned": False, "cpus": [0, 1], "workers": 2}
 
 
-def test_cluster_config_serves_the_model_asked_for():
+def test_cluster_config_serves_the_model_asked_for(tmp_path):
     tiny = bs.cluster_config("colocated", bs.ServeBenchConfig(model="tiny"), step_budget=128)
     assert tiny.model == "tiny" and tiny.engine == {"scheduler": {"max_num_batched_tokens": 128}}
     real = bs.cluster_config("disaggregated", bs.ServeBenchConfig())  # SmolLM2 by default, gguf weights
@@ -362,5 +362,11 @@ def test_cluster_config_serves_the_model_asked_for():
     from coordinator.config import ClusterConfig
 
     assert tiny.step_target_s == 0.0
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"fits": {"local_prefill_max_tokens": 140, "prefill_ms_per_token": 0.3}}))
+    auto = bs.cluster_config("per_request", bs.ServeBenchConfig(model="tiny", decide_profile=str(prof)))
+    assert (auto.disaggregate, auto.local_prefill_max_tokens, auto.prefill_ms_per_token) == ("auto", 140, 0.3)
+    plain = bs.cluster_config("per_request", bs.ServeBenchConfig(model="tiny"))
+    assert plain.prefill_ms_per_token == ClusterConfig().prefill_ms_per_token  # the startup timing decides
     kept = bs.cluster_config("colocated", bs.ServeBenchConfig(model="tiny", step_target_s=None))
     assert kept.step_target_s == ClusterConfig().step_target_s > 0
