@@ -80,8 +80,11 @@ class Workload:
 
 
 # Where prefill interference shows (long prompts stall the decode steps they share an engine
-# with) and the decode-heavy opposite. Sized for the tiny model on a small CPU.
+# with: long-prompt-long-output, DistServe's case), the prefill-heavy case with short answers and the
+# decode-heavy opposite. Prompts stay within the tiny model's 2,048-token context with their outputs.
 PRESETS: dict[str, tuple[LengthDist, LengthDist]] = {
+    "long-prompt-long-output": (LengthDist("lognormal", mean=768, low=256, high=1536, sigma=0.35),
+                                LengthDist("uniform", mean=128, low=96, high=160)),
     "long-prompt-short-output": (LengthDist("lognormal", mean=768, low=256, high=1536, sigma=0.35),
                                  LengthDist("uniform", mean=16, low=8, high=24)),
     "short-prompt-long-output": (LengthDist("uniform", mean=48, low=16, high=96),

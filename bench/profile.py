@@ -33,7 +33,7 @@ class ProfileConfig:
     counts, the median is recorded beside it);
     transport: a bench.migrate transport (zmq-tcp, zmq-ipc, ray...); migrate_tokens: its points."""
 
-    model: str = "tiny"
+    model: str = "smollm2"  # as `pdserve up`; 'tiny' for tests and smoke runs
     block_size: int = 16
     device: str = "cpu"
     prompt_lens: tuple[int, ...] = (16, 64, 256, 512, 1024)

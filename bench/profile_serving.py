@@ -1,5 +1,6 @@
 """`pdserve profile`'s serving part: what the engine alone does not show, on real clusters
-(`deploy.launch.ClusterServer`, bench serve's settings: tiny, colocated 2 and 1P+1D streamed).
+(`deploy.launch.ClusterServer`, bench serve's settings: the profile's model, workers pinned one
+core each, colocated 2 and 1P+1D streamed).
 Per kind, fresh prompts at several lengths, and again sharing a planted prefix (`shapes`), in three
 phases: prefill-only back to back (then the workers' own step fits, from /v1/cluster: the engine
 inside a worker), full requests back to back, and full requests alone after planned idle gaps
@@ -254,7 +255,8 @@ def measure_serving(cfg, model, log=print) -> dict:
     from bench.serve import ServeBenchConfig, cluster_config
     from deploy.launch import ClusterServer, RayConfig, start_ray, stop_ray
 
-    scfg = ServeBenchConfig(prefill=1, decode=1, block_size=cfg.block_size, num_blocks=1024, quick=True)
+    scfg = ServeBenchConfig(prefill=1, decode=1, block_size=cfg.block_size, num_blocks=1024, quick=True,
+                            model=cfg.model, weights=getattr(cfg, "weights", None))
     out: dict = {"prompt_lens": list(cfg.serving_prompt_lens), "max_tokens": cfg.serving_max_tokens,
                  "repeats": cfg.serving_repeats, "gaps_ms": list(cfg.serving_gaps_ms),
                  "isolated_repeats": cfg.serving_isolated_repeats}

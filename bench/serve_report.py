@@ -10,8 +10,12 @@ plotting. A report from before runs had labels reads as one setup per mode.
 
 from __future__ import annotations
 
+import os
+
 COLORS = {"disaggregated": "tab:blue", "disaggregated-whole": "tab:green", "colocated": "tab:orange",
-          "per-request": "tab:red"}
+          "per-request": "tab:red", "colocated-128": "tab:brown", "colocated-256": "tab:olive",
+          "colocated-512": "tab:orange", "colocated-1024": "tab:pink"}
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")  # one per setup, so lines that overlap stay apart
 NAMES = {"disaggregated": "disaggregated, streamed", "disaggregated-whole": "disaggregated, whole"}
 
 
@@ -36,12 +40,13 @@ def plot(report: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     labels = sorted({run_label(r) for r in report["runs"]})
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
-        for lbl in labels:
+        for k, lbl in enumerate(labels):
             runs = sorted((r for r in report["runs"] if run_label(r) == lbl), key=lambda r: r["rate"])
             for pct, style in (("p50", "-"), ("p99", "--")):
                 pts = [(r["rate"], r[key][pct]) for r in runs if r[key][pct] is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=COLORS.get(lbl), label=f"{_name(lbl)} {pct}")
+                    ax.plot(*zip(*pts), style, marker=MARKERS[k % len(MARKERS)], color=COLORS.get(lbl),
+                            label=f"{_name(lbl)} {pct}")
         slo = report.get("slo", {}).get(key)
         if slo is not None:
             ax.axhline(slo, color="gray", linestyle=":", linewidth=1, label=f"SLO {slo:g} ms")
@@ -57,7 +62,8 @@ def plot(report: dict, path: str) -> None:
     n = cfg.get("num_requests", "?")
     quick = " (quick: p99 ≈ max)" if cfg.get("p99_note") else ""
     budget = f", step budget {cfg['step_budget']}" if cfg.get("step_budget") else ""
-    fig.suptitle(f"pdserve bench serve: {cfg.get('preset', '')}, tiny model{budget}, "
+    work = cfg.get("preset") or os.path.basename(cfg.get("trace") or "")
+    fig.suptitle(f"pdserve bench serve: {work}, {cfg.get('model', 'tiny')} model{budget}, "
                  f"{n} requests per point{quick} (solid p50, dashed p99; log scale)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -103,7 +109,8 @@ def format_table(report: dict) -> str:
         share = "migration_share_of_ttft"
         yes = "yes" if r.get("streamed") else "no"
         mig = f"{r.get('streamed_migrations', 0)}/{r['migrated']}" if r["mode"] != "colocated" else "-"
-        lines.append(f"| {r['mode']} | {yes} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
+        name = run_label(r) if r["mode"] == "colocated" else r["mode"]  # colocated-N: its chunk budget
+        lines.append(f"| {name} | {yes} | {r['rate']:g} | {r['completed']}/{r['failed']} | "
                      f"{_p(r, 'ttft_ms', 'p50')} | {_p(r, 'ttft_ms', 'p99')} | {_p(r, 'tpot_ms', 'p50')} | "
                      f"{_p(r, 'tpot_ms', 'p99')} | {_p(r, 'itl_ms', 'p99')} | {r['throughput_tok_s']:.0f} | "
                      f"{r['goodput_req_s']:.2f} | "
@@ -143,4 +150,25 @@ def format_overhead(report: dict) -> str:
             lines.append(f"| {_name(lbl)} | {_p(only, 'ttft_ms', 'p50')} | {_p(full, 'ttft_ms', 'p50')} | "
                          f"{fmt(o['added_ttft_ms_p50'])} | {fmt(o['added_server_ttft_ms_p50'])} | "
                          f"{_p(full, 'migration_ms', 'p50')} | {st} |")
+    return "\n".join(lines)
+
+
+def format_goodput_search(report: dict) -> str:
+    """Per setup: goodput (the highest rate at which >= 90% of requests met both SLOs), its interval
+    (bench.serve_goodput), the rates measured, and beside the best colocated budget: the ratio and
+    whether the intervals overlap (a tie)."""
+    against = report.get("against_best_colocated") or {}
+    best = (report.get("best_colocated") or {}).get("label")
+    lines = ["| setup | goodput (req/s) | interval | rates measured (attainment) | vs best colocated |",
+             "|---|---|---|---|---|"]
+    for lbl, g in (report.get("goodput") or {}).items():
+        ci = g["ci"]
+        hi = "open" if ci[1] is None else f"{ci[1]:.2f}"
+        steps = ", ".join(f"{s['rate']:.2g} ({100 * s['attainment']:.0f}%)" for s in g["steps"])
+        a = against.get(lbl)
+        if lbl == best or a is None:
+            vs = "baseline" if lbl == best else "-"
+        else:
+            vs = ("-" if a["ratio"] is None else f"{a['ratio']:.2f}x") + (" (tie)" if a["tie"] else "")
+        lines.append(f"| {_name(lbl)} | {g['goodput_req_s']:.2f} | {ci[0]:.2f}..{hi} | {steps} | {vs} |")
     return "\n".join(lines)

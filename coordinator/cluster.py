@@ -222,7 +222,9 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         inputs = DecideInputs(len(prompt), self.routers["decode"].cached_tokens(load, prompt) if load else 0,
                               int(self.workers[prefill].stats.get("queue_depth", 0)),
                               int(self.workers[decode].stats.get("queue_depth", 0)),
-                              self.metrics.migration_ms(self.config.transport))
+                              self.metrics.migration_ms(self.config.transport),
+                              int(self.workers[decode].stats.get("running", 0)),
+                              self.workers[decode].info.get("startup", {}).get("prefill_ms_per_token"))
         decision = decide(inputs, self.decide_config)
         self.metrics.count_path(decision.path, decision.reason_kind)
         return decision

@@ -32,6 +32,9 @@ class ClusterConfig:
     # one Ray gave it (15 unless RAY_worker_niceness says otherwise), below the coordinator and every
     # other process on the node, which measured no worse for serving on 2 cores (docs/planner.md)
     worker_niceness: int | None = None
+    # CPUs the workers are pinned to, one each in spawn order (prefill then decode, or colocated; reused
+    # in turn when there are fewer CPUs than workers); (): unpinned. bench serve pins (runtime.priority)
+    pin_cpus: tuple[int, ...] = ()
     start_timeout_s: float = 180.0    # bound on workers loading and handshaking
     call_timeout_s: float = 10.0      # bound on one command to a worker
     event_timeout_s: float = 60.0     # longest silence inside a request before it times out

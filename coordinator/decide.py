@@ -11,6 +11,13 @@ model, block size and device). The prefix the decode worker already caches is no
 again, so only the uncached part counts; each request queued at the prefill worker delays a
 remote prefill by about one more prompt, so the limit grows with that queue (at most
 `MAX_QUEUE_FACTOR` times); a decode worker with requests already waiting to start is left alone.
+Where p comes from: `DecideConfig.prefill_ms_per_token` (from a `pdserve profile` file, see
+`from_profile`), else the decode worker's own measurement at startup (engine.warmup times its
+warm-up prompts; `DecideInputs.decode_prefill_ms_per_token`), else none (the fixed limit).
+The decode worker's batch: a local prefill of L tokens stalls every one of the B sequences it
+holds for about `p * L` ms, while a migration delays only the new request, so with B >= 2
+running the limit is divided by B (local only while B stalls together cost less than one
+migration); with 0 or 1 running it is unchanged.
 `reason_kind` is a small closed set (the /metrics label); `reason` is the sentence for the client.
 """
 
@@ -30,6 +37,9 @@ class DecideInputs:
     prefill_queue_depth: int = 0     # requests waiting to start on the chosen prefill worker
     decode_queue_depth: int = 0      # requests waiting to start on the decode worker
     migration_ms: float | None = None  # mean migration time measured for this transport (None: none yet)
+    decode_running: int = 0          # sequences in the decode worker's batch (a local prefill stalls each)
+    # the decode worker's prefill ms per token, measured at its startup (engine.warmup); None: not measured
+    decode_prefill_ms_per_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,12 +70,36 @@ class Decision:
         return {"path": self.path, "reason": self.reason}
 
 
+def prefill_rate(x: DecideInputs, c: DecideConfig) -> float:
+    """Prefill ms per token on the decode worker: configured (a profile file), else measured at the
+    decode worker's startup, else 0 (unknown)."""
+    if c.prefill_ms_per_token > 0:
+        return c.prefill_ms_per_token
+    p = x.decode_prefill_ms_per_token
+    return p if p is not None and p > 0 else 0.0
+
+
 def limit_tokens(x: DecideInputs, c: DecideConfig) -> int:
     """The longest uncached prompt `auto` prefills locally for these inputs."""
-    base = c.local_prefill_max_tokens
-    if x.migration_ms is not None and c.prefill_ms_per_token > 0:  # measured on this transport, now
-        base = max(base, int(x.migration_ms / c.prefill_ms_per_token))
-    return base * min(1 + max(0, x.prefill_queue_depth), MAX_QUEUE_FACTOR)
+    base, p = c.local_prefill_max_tokens, prefill_rate(x, c)
+    if x.migration_ms is not None and p > 0:  # measured on this transport, now
+        base = max(base, int(x.migration_ms / p))
+    return base * min(1 + max(0, x.prefill_queue_depth), MAX_QUEUE_FACTOR) // max(1, x.decode_running)
+
+
+def from_profile(profile: dict) -> dict:
+    """DecideConfig fields from a `pdserve profile --json` document: its crossover as the base limit
+    and its prefill ms per token ({} for what it lacks). ValueError names a malformed one."""
+    fits = profile.get("fits") if isinstance(profile, dict) else None
+    if not isinstance(fits, dict):
+        raise ValueError("not a `pdserve profile --json` document: it has no 'fits'")
+    out = {}
+    limit, p = fits.get("local_prefill_max_tokens"), fits.get("prefill_ms_per_token")
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit >= 0:
+        out["local_prefill_max_tokens"] = int(limit)
+    if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+        out["prefill_ms_per_token"] = float(p)
+    return out
 
 
 def decide(x: DecideInputs, c: DecideConfig) -> Decision:
@@ -81,7 +115,8 @@ def decide(x: DecideInputs, c: DecideConfig) -> Decision:
     limit = limit_tokens(x, c)
     queued = f" ({x.prefill_queue_depth} queued at prefill)" if x.prefill_queue_depth > 0 else ""
     cached = f", {x.decode_cached_tokens} cached on decode" if x.decode_cached_tokens else ""
-    facts = f"{queued}{cached}"
+    batch = f", {x.decode_running} running on decode" if x.decode_running > 1 else ""
+    facts = f"{queued}{cached}{batch}"
     if uncached <= limit:
         return Decision("local_prefill", "short_uncached", f"uncached {uncached} tokens <= {limit}{facts}")
     return Decision("disaggregate", "long_uncached", f"uncached {uncached} tokens > {limit}{facts}")

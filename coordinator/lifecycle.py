@@ -117,7 +117,7 @@ class LifecycleMixin(DrainMixin):
         worker.address, worker.block_size, worker.model = info.address, info.block_size, info.model
         worker.info = {"device": info.device, "node_id": info.node_id, "node_address": info.node_address,
                        "pid": info.pid, "model_source": info.model_source, "threads": info.threads,
-                       "niceness": info.niceness}
+                       "niceness": info.niceness, "cpus": list(info.cpus), "startup": dict(info.startup)}
         worker.last_seen = time.monotonic()
         return info
 

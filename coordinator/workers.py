@@ -196,6 +196,16 @@ def worker_threads(c) -> int:
     return c.torch_threads if c.torch_threads > 0 else max(1, int(c.actor_cpus))
 
 
+def worker_cpu(c, slot: str) -> int | None:
+    """The CPU ClusterConfig.pin_cpus gives the worker of `slot` ("decode-0"): the slots in spawn
+    order (prefill then decode, or colocated) take the listed CPUs in turn; None when unpinned."""
+    if not c.pin_cpus:
+        return None
+    roles = [("colocated", c.colocated)] if c.colocated else [("prefill", c.prefill), ("decode", c.decode)]
+    slots = [f"{role}-{i}" for role, n in roles for i in range(n)]
+    return c.pin_cpus[slots.index(slot) % len(c.pin_cpus)] if slot in slots else None
+
+
 def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, generation: int = 0,
                  kv_host: str = "127.0.0.1", published: dict | None = None, keys=None) -> WorkerState:
     """One worker actor of `role` for slot `slot` ("decode-0"); a replacement (generation g > 0)
@@ -210,7 +220,7 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
     engine = {"model": c.model, "num_blocks": c.num_blocks, **c.engine, "block_size": c.block_size}
     engine["scheduler"] = {"step_target_s": c.step_target_s, **engine.get("scheduler", {})}
     config = {"name": name, "events_address": events_address, "heartbeat_s": c.report_s,
-              "torch_threads": worker_threads(c), "niceness": c.worker_niceness}
+              "torch_threads": worker_threads(c), "niceness": c.worker_niceness, "cpu": worker_cpu(c, slot)}
     resources = {}
     if role == "prefill":
         config.update(transport=c.transport, namespace=namespace, stream_migration=c.stream_migration,

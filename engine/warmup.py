@@ -10,6 +10,9 @@ context, in one batch so a decode step of two rows runs too: 11 ms on tiny, 0.5-
 here. Prefix caching is off while they run, so no block they filled can ever serve a real prompt;
 every block goes back, and the step counter and the step pacer (engine.step_pacer) start as if
 nothing had run (the pacer's first observations would otherwise be the cold step's).
+`startup_profile` runs the same prompts once more, warm, and times each step: the prefill step's
+ms per token and the two-row decode step's ms, what coordinator.decide needs to price a local
+prefill on this worker (a second pass: the first one's times are the cold costs it absorbs).
 """
 
 from __future__ import annotations
@@ -34,6 +37,25 @@ def warmup_prompts(engine) -> list[list[int]]:
 
 def warm_up(engine) -> float:
     """Run the warm-up prompts through `engine` (any role, before it takes a request); seconds."""
+    return _run(engine, [])
+
+
+def startup_profile(engine) -> dict:
+    """The warm-up prompts again on a warmed `engine`, each step timed: prefill_ms_per_token (the
+    prefill steps' ms over their prompt tokens), prefill_tokens, decode_step_ms (the median step
+    without prefill tokens; None if none ran) and seconds in all."""
+    steps: list[tuple[float, int]] = []  # (ms, prefill tokens) per step
+    seconds = _run(engine, steps)
+    pre = [(ms, n) for ms, n in steps if n > 0]
+    dec = sorted(ms for ms, n in steps if n == 0)
+    tokens = sum(n for _, n in pre)
+    return {"prefill_ms_per_token": sum(ms for ms, _ in pre) / tokens if tokens else None,
+            "prefill_tokens": tokens, "decode_step_ms": dec[len(dec) // 2] if dec else None,
+            "seconds": seconds}
+
+
+def _run(engine, timings: list) -> float:
+    """The warm-up prompts to their end, appending (ms, prefill tokens) per step to `timings`."""
     t0 = time.perf_counter()
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     kv, steps = engine.kv, engine.steps
@@ -45,7 +67,9 @@ def warm_up(engine) -> float:
         for _ in range(10_000):  # a bound: two prompts of at most a step's budget finish in a few
             if not engine.has_work():
                 break
+            t = time.perf_counter()
             engine.step()
+            timings.append(((time.perf_counter() - t) * 1e3, engine.last_step_prefill_tokens))
     finally:
         for rid in ids:  # a prefill role still holds a finished one's blocks for migration; others: a no-op
             engine.abort(rid)

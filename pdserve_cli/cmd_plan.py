@@ -3,14 +3,34 @@ distributions at a set of rates), SLOs with an attainment target, a `pdserve pro
 worker budgets, simulate every configuration of each budget (colocated K; P prefill + D decode,
 with coordinator.decide 'always' and 'auto') and print the best one, its predicted goodput and
 TTFT/TPOT percentiles, whether disaggregation pays and why, and the per-request threshold; write
-JSON and a goodput-vs-rate plot. `--validate` serves the configurations that fit this machine with
-`bench serve` and prints predicted beside measured (bench.plan)."""
+JSON and a goodput-vs-rate plot (every configuration its own marker and line style, so lines that
+overlap stay visible). `--validate` serves the configurations that fit this machine with `bench
+serve` (the profile's model, or --model) and prints predicted beside measured (bench.plan).
+Without --profile it uses profile-MODEL.json from this directory or out/ (MODEL: --model,
+default smollm2), or says which command makes one. The SLOs, unless given in ms, are multiples
+of the model's unloaded TTFT and TPOT for the workload (bench serve's scaling, bench.serve_slo)."""
 
 from __future__ import annotations
 
 NAME = "plan"
 GROUP = None
 HELP = "predict goodput per configuration from a profile and pick P:D (or colocated); --validate measures"
+PROFILE_DIRS = (".", "out")
+
+
+def profile_path(model: str) -> str | None:
+    """The profile `plan` uses when --profile is not given: profile-MODEL.json in PROFILE_DIRS."""
+    import os
+
+    name = f"profile-{os.path.basename(model)}.json"
+    return next((os.path.join(d, name) for d in PROFILE_DIRS if os.path.isfile(os.path.join(d, name))),
+                None)
+
+
+def profile_command(model: str) -> str:
+    import os
+
+    return f"pdserve profile --model {model} --json profile-{os.path.basename(model)}.json"
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -22,9 +42,13 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--profile", required=True, metavar="FILE", help="a `pdserve profile --json` file")
+    p.add_argument("--profile", metavar="FILE", help="a `pdserve profile --json` file (default: "
+                   "profile-MODEL.json here or in out/)")
+    p.add_argument("--model", help="the model of the default profile and the one --validate serves "
+                   "(default: the profile's, else smollm2)")
     p.add_argument("--trace", metavar="FILE", help="requests: [{arrival_s, prompt_tokens, output_tokens, "
-                   "prefix_id?, prefix_tokens?}] (rescaled to each --rates value)")
+                   "prefix_id?, prefix_tokens?}], or a Mooncake JSONL trace (timestamp, input_length, "
+                   "output_length, hash_ids; e.g. bench/traces/small.jsonl), rescaled to each --rates value")
     p.add_argument("--preset", help="bench serve's presets: long-prompt-short-output, "
                    "short-prompt-long-output, "
                    "mixed (default mixed unless --prompt/--output)")
@@ -34,8 +58,12 @@ def add_arguments(p) -> None:
     p.add_argument("--rates", type=_floats, default=(1.0, 2.0, 3.0, 4.0, 6.0),
                    help="req/s (default 1,2,3,4,6)")
     p.add_argument("--num-requests", type=int, default=200, help="requests per simulated rate (default 200)")
-    p.add_argument("--ttft-slo-ms", type=float, help="TTFT SLO (default bench serve's)")
-    p.add_argument("--tpot-slo-ms", type=float, help="TPOT SLO (default bench serve's)")
+    p.add_argument("--ttft-slo-ms", type=float, help="a fixed TTFT SLO (default: scaled)")
+    p.add_argument("--tpot-slo-ms", type=float, help="a fixed TPOT SLO (default: scaled)")
+    p.add_argument("--ttft-slo-scale", type=float, default=5.0,
+                   help="TTFT SLO = this x the model's unloaded TTFT of the median prompt (default 5)")
+    p.add_argument("--tpot-slo-scale", type=float, default=2.0,
+                   help="TPOT SLO = this x the model's unloaded decode step (default 2)")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting both SLOs (0.9)")
     p.add_argument("--budget", type=_ints, default=(2,), help="worker budgets, comma-separated (default 2)")
     p.add_argument("--step-budget", type=int, default=512, help="tokens per engine step (default 512)")
@@ -70,25 +98,55 @@ def _workload(args):
     return at, at(1.0)
 
 
+def _slo(args, model, sample):
+    """The plan's SLOs: given in ms, or the multiples of the model's unloaded TTFT (the median
+    prompt's prefill plus the colocated serving path) and TPOT (a batch of one at the median
+    context plus the serving path's per-token part), as bench serve scales them from measurement."""
+    import statistics
+
+    from bench.serve_metrics import SLO
+    from bench.serve_slo import SLOScale, record, scaled
+
+    ttft = statistics.median(model.prefill_ms(r.prompt_tokens)
+                             + model.colocated.ttft_ms(r.prompt_tokens, r.prompt_tokens, 0.0) for r in sample)
+    tpot = statistics.median(model.step_ms(1, r.prompt_tokens + r.output_tokens // 2, 0)
+                             + model.colocated.token_ms for r in sample)
+    scale = SLOScale(None if args.ttft_slo_ms else args.ttft_slo_scale,
+                     None if args.tpot_slo_ms else args.tpot_slo_scale)
+    fixed = SLO(ttft_ms=args.ttft_slo_ms or SLO().ttft_ms, tpot_ms=args.tpot_slo_ms or SLO().tpot_ms)
+    slo = scaled(scale, fixed, ttft, tpot)
+    return slo, record(scale, slo, ttft, tpot, "the profile's model")
+
+
 def run(args) -> int:
     import json
     import statistics
-    from dataclasses import replace
 
     from bench.plan.des import SimConfig
     from bench.plan.model import from_profile
     from bench.plan.report import format_plan, plot, to_json
     from bench.plan.search import Target, plan
-    from bench.serve_metrics import SLO
+    from bench.serve_trace import is_mooncake
     from coordinator.config import ClusterConfig
 
-    if args.validate and (args.trace or args.prompt or args.output):
-        print("--validate serves one of bench serve's presets (--preset), not a trace or --prompt/--output")
+    mooncake = bool(args.trace) and is_mooncake(args.trace)
+    if args.validate and ((args.trace and not mooncake) or args.prompt or args.output):
+        print("--validate serves one of bench serve's presets (--preset) or a Mooncake trace, not a plan "
+              "trace JSON or --prompt/--output")
         return 2
-    with open(args.profile) as f:
-        model = from_profile(json.load(f), args.contention)
-    s = SLO()
-    slo = replace(s, ttft_ms=args.ttft_slo_ms or s.ttft_ms, tpot_ms=args.tpot_slo_ms or s.tpot_ms)
+    path = args.profile or profile_path(args.model or "smollm2")
+    if path is None:
+        m = args.model or "smollm2"
+        print(f"no profile for {m}: make one with `{profile_command(m)}` (a few minutes; --quick: about "
+              f"one), then run plan again here (it finds profile-*.json here or in out/), or pass "
+              f"--profile FILE")
+        return 2
+    with open(path) as f:
+        profile = json.load(f)
+    model = from_profile(profile, args.contention)
+    served = args.model or (profile.get("config") or {}).get("model") or "smollm2"
+    if not args.profile:
+        print(f"profile: {path} (model {served})")
     local_max = args.local_prefill_max_tokens
     if local_max is None:
         local_max = ClusterConfig.__dataclass_fields__["local_prefill_max_tokens"].default
@@ -96,22 +154,27 @@ def run(args) -> int:
                      local_prefill_max_tokens=local_max, overhead_ms=args.overhead_ms)
     at, sample = _workload(args)
     median_prompt = int(statistics.median(r.prompt_tokens for r in sample))
+    slo, scaling = _slo(args, model, sample)
     target = Target(slo, args.attainment)
     result = plan(at, model, args.budget, sorted(args.rates), target, base, median_prompt)
     threshold = {"local_prefill_max_tokens": local_max, "profile_crossover": model.crossover_tokens}
-    print(f"SLO: TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms, attainment {args.attainment:.0%}; "
+    print(f"SLO: TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.1f} ms ({_how(scaling)}), attainment "
+          f"{args.attainment:.0%}; "
           f"contention {model.contention:g}; serving path: colocated {model.colocated.describe()}; "
           f"disaggregated {model.disaggregated.describe()}"
           + (f", extra {args.overhead_ms:g} ms" if args.overhead_ms else ""))
     print(format_plan(result, threshold))
-    out = to_json(result, threshold, {"profile": args.profile, "rates": list(args.rates), "slo": vars(slo),
+    out = to_json(result, threshold, {"profile": path, "model": served, "rates": list(args.rates),
+                                      "slo": vars(slo), "slo_scaling": scaling,
                                       "attainment": args.attainment, "contention": model.contention,
                                       "overhead_ms": args.overhead_ms, "median_prompt": median_prompt})
     if args.validate:
         from bench.plan.validate import format_validate, run_validate
 
         v = run_validate(model, args.rates, args.validate_requests, slo, model.contention or 1.0,
-                         log=lambda m: print(m, flush=True), preset=args.preset or "mixed")
+                         log=lambda m: print(m, flush=True), preset=args.preset or "mixed",
+                         served_model=served, trace=args.trace if mooncake else None,
+                         step_budget=args.step_budget)
         print("\nvalidation (bench serve here, beside the model), ms and req/s")
         print(format_validate(v))
         out["validate"] = v
@@ -131,3 +194,12 @@ def run(args) -> int:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _how(rec: dict) -> str:
+    parts = []
+    for name in ("ttft", "tpot"):
+        m = rec[f"{name}_multiple"]
+        parts.append(f"{name.upper()} fixed" if m is None else
+                     f"{name.upper()} {m:g} x unloaded {rec[f'unloaded_{name}_ms']:.1f} ms")
+    return ", ".join(parts)

@@ -19,7 +19,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a few points, few repeats (under a minute on tiny)")
-    p.add_argument("--model", help="'tiny' (default), 'smollm2', a .gguf file or a checkpoint directory")
+    p.add_argument("--model", help="'smollm2' (default, as `pdserve up`), 'tiny', a .gguf file or a "
+                   "checkpoint directory; `pdserve plan` finds the JSON by itself named profile-MODEL.json")
     p.add_argument("--block-size", type=int, help="KV block size (default 16)")
     p.add_argument("--device", help="cpu (default) or cuda[:i]")
     p.add_argument("--transport", help="bench migrate's transport: zmq-tcp (default), zmq-ipc, ray")

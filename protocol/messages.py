@@ -150,6 +150,9 @@ class WorkerInfo:
     model_source: str = "local"  # where its weights came from: local, object_store or node_cache
     threads: int = 1             # the intra-op threads its engine computes on (torch and CPU kernels)
     niceness: int = 0            # its process's nice value (runtime.priority; Ray starts workers at 15)
+    cpus: list[int] = field(default_factory=list)  # the CPUs its threads may run on ([]: not known)
+    # engine.warmup.startup_profile's timings at start (prefill_ms_per_token, decode_step_ms...; {}: none)
+    startup: dict = field(default_factory=dict)
 
 
 # ---- events -----------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class WorkerConfig:
     cluster_keys: dict | None = None
     niceness: int | None = None  # the nice value the process sets for itself at start (runtime.priority)
     warmup: bool = True          # two dummy prompts through the engine before any request (engine.warmup)
+    # and then once more, timed (engine.warmup.startup_profile): coordinator.decide prices local prefills
+    cpu: int | None = None       # the one CPU all the worker's threads run on (runtime.priority); None: any
 
     @property
     def keys(self):
@@ -73,12 +75,13 @@ class WorkerActor:
         import torch
 
         from engine.engine import EngineConfig, LLMEngine
-        from engine.warmup import warm_up
+        from engine.warmup import startup_profile, warm_up
         from runtime.model_store import resolve
-        from runtime.priority import set_niceness
+        from runtime.priority import pin_to_cpu, set_niceness
 
         self.config = self.config_class(**config)
         self.niceness = set_niceness(self.config.niceness)  # before any thread of ours starts
+        self.cpus = pin_to_cpu(self.config.cpu) or []
         torch.set_num_threads(max(1, self.config.torch_threads))
         engine = dict(self.config.engine or {})
         engine["model"], self.model_source = resolve(engine.get("model", "tiny"), self.config.model_files,
@@ -87,8 +90,10 @@ class WorkerActor:
                                 **self.engine_hooks())
         self.handler = self.make_handler(self.config, self.engine)
         # NOTE: after the handler (a decode pool's held_back asks it), before its loop takes a command
+        self.startup: dict = {}
         if self.config.warmup:
             warm_up(self.engine)
+            self.startup = startup_profile(self.engine)
         self._events = PushQueue(self.config.events_address, keys=self.config.keys)  # the loop thread's
         c = self.config
         loop_config = LoopConfig(c.name, c.heartbeat_s, c.idle_poll_s, c.busy_poll_s, c.call_timeout_s)
@@ -157,7 +162,7 @@ class WorkerActor:
                           eos_token_ids=list(e.model_config.eos_token_ids), device=str(e.device),
                           node_id=node_id, node_address=node_address, pid=os.getpid(),
                           model_source=self.model_source, threads=torch.get_num_threads(),
-                          niceness=self.niceness)
+                          niceness=self.niceness, cpus=list(self.cpus), startup=dict(self.startup))
 
     def stats(self) -> dict:
         return self.loop.stats()

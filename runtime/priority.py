@@ -38,3 +38,32 @@ def set_niceness(target: int | None) -> int:
                     "its engine gets less CPU than the processes around it when the node is busy",
                     current, target)
     return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def pin_to_cpu(cpu: int | None) -> list[int] | None:
+    """Every thread of this process onto CPU `cpu` (None: leave the affinity); the CPUs the process
+    may run on after (None where the OS has no sched_setaffinity). A worker that owns one core, as
+    a GPU worker owns its device, so prefill and decode do not contend in ways a GPU cluster would
+    not (bench serve pins each worker to its own core). A CPU this process may not use (outside its
+    cgroup, or missing) is refused with a warning and the affinity left as it was. Threads started
+    later inherit it."""
+    if not hasattr(os, "sched_setaffinity"):
+        if cpu is not None:
+            log.warning("this OS cannot pin threads to CPUs: worker left unpinned (asked for CPU %d)", cpu)
+        return None
+    if cpu is not None:
+        allowed = os.sched_getaffinity(0)
+        if cpu not in allowed:
+            log.warning("CPU %d is not among the CPUs this worker may use (%s): left unpinned", cpu,
+                        sorted(allowed))
+            return sorted(allowed)
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            tids = [0]
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, {cpu})
+            except (ProcessLookupError, PermissionError):  # ended meanwhile, or a thread we may not move
+                pass
+    return sorted(os.sched_getaffinity(0))

@@ -72,7 +72,7 @@ def test_presets_and_requests_have_exact_lengths():
     from pdserve_cli.cmd_bench_serve import PRESETS as CLI_PRESETS
 
     assert set(CLI_PRESETS) == set(PRESETS) | {"mixed"}  # mixed: bench.serve_mixed
-    assert set(PRESETS) == {"long-prompt-short-output", "short-prompt-long-output"}
+    assert set(PRESETS) == {"long-prompt-short-output", "short-prompt-long-output", "long-prompt-long-output"}
     means = {}
     for name in PRESETS:
         w = preset(name, rate=2.0, num_requests=200, seed=3)
@@ -85,7 +85,10 @@ def test_presets_and_requests_have_exact_lengths():
         assert make_requests(w) == specs and make_requests(preset(name, 2.0, 200, seed=4)) != specs
         means[name] = (np.mean(plens), np.mean(olens))
     lp, so = means["long-prompt-short-output"], means["short-prompt-long-output"]
+    ll = means["long-prompt-long-output"]
     assert lp[0] > 5 * lp[1] and so[1] > so[0] and lp[0] > 5 * so[0]
+    assert ll[0] > 5 * so[0] and ll[1] > so[1] > 5 * lp[1] / 2  # long prompts with the longest outputs
+    assert all(p.high + o.high <= 2048 for p, o in PRESETS.values())  # within the tiny model's context
     with pytest.raises(ValueError):
         preset("nope", 1.0, 1)
 
@@ -187,12 +190,21 @@ def test_bench_serve_cli_against_a_running_server(server_url, tmp_path):
     from pdserve_cli.main import main
 
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
-    code = main(["bench", "serve", "--quick", "--url", server_url, "--mode", "colocated", "--rates", "8,16",
-                 "--num-requests", "6", "--preset", "short-prompt-long-output", "--tpot-slo-ms", "1000",
-                 "--detailed", "--json", str(out), "--plot", str(png)])
+    code = main(["bench", "serve", "--quick", "--model", "tiny", "--url", server_url, "--mode", "colocated",
+                 "--rates", "8,16", "--num-requests", "6", "--preset", "short-prompt-long-output",
+                 "--tpot-slo-ms", "1000", "--ttft-slo-scale", "7", "--detailed", "--json", str(out),
+                 "--plot", str(png)])
     assert code == 0
     rep = json.loads(out.read_text())
-    assert rep["slo"] == {"ttft_ms": bs.SLO().ttft_ms, "tpot_ms": 1000.0}
+    scaling = rep["slo_scaling"]  # TTFT: 7 x the unloaded TTFT p50 measured at the start; TPOT fixed
+    assert scaling["ttft_multiple"] == 7.0 and scaling["tpot_multiple"] is None
+    assert rep["slo"] == {"ttft_ms": pytest.approx(7 * scaling["unloaded_ttft_ms"]), "tpot_ms": 1000.0}
+    assert scaling["unloaded_ttft_ms"] == rep["overhead"]["colocated"]["prefill_only"]["ttft_ms"]["p50"]
+    assert scaling["unloaded_tpot_ms"] == rep["overhead"]["colocated"]["full"]["tpot_ms"]["p50"] > 0
+    g = rep["goodput"]["colocated"]  # fixed rates: the goodput of the rates given
+    assert [s["rate"] for s in g["steps"]] == [8.0, 16.0] and g["ci_method"]
+    att = {r["rate"]: sum(r["slo_met"]) / len(r["slo_met"]) for r in rep["runs"]}
+    assert g["goodput_req_s"] == max([0.0] + [r for r in att if all(att[q] >= 0.9 for q in att if q <= r)])
     assert [(r["mode"], r["rate"]) for r in rep["runs"]] == [("colocated", 8.0), ("colocated", 16.0)]
     specs = make_requests(preset("short-prompt-long-output", 8.0, 6, seed=bs.QUICK.seed + 1))
     for r in rep["runs"]:
@@ -240,14 +252,18 @@ def test_streamed_and_whole_disaggregated_runs_are_labelled_in_one_invocation(se
     monkeypatch.setattr(dl, "ClusterServer", FakeServer)
     monkeypatch.setattr(dl, "start_ray", lambda config: False)
     monkeypatch.setattr(dl, "stop_ray", lambda started: None)
-    cfg = bs.ServeBenchConfig(rates=(20.0,), num_requests=3, preset="short-prompt-long-output",
-                              overhead_requests=1, warmup_requests=0, step_budget=256)
+    cfg = bs.ServeBenchConfig(rates=(20.0,), num_requests=3, preset="short-prompt-long-output", model="tiny",
+                              overhead_requests=1, warmup_requests=0, step_budget=256,
+                              modes=("disaggregated", "colocated", "per_request"), colocated_budgets=())
     assert cfg.streamed == (True, False) and bs.ServeBenchConfig().num_requests >= 200
     logs = []
     rep = bs.run_bench(cfg, log=logs.append)
     want = [(False, True, "always"), (False, False, "always"), (True, False, "always"), (False, True, "auto")]
     assert [(c.colocated > 0, c.stream_migration, c.disaggregate) for c in configs] == want
     assert all(c.engine == {"scheduler": {"max_num_batched_tokens": 256}} for c in configs)
+    # every worker on one thread and a core of its own; 2 workers on this machine's cores
+    assert all(c.torch_threads == 1 and c.pin_cpus == tuple(sorted(os.sched_getaffinity(0))) for c in configs)
+    assert rep["placement"]["colocated"]["workers"] == 2 and "workers_info" in rep["placement"]["colocated"]
     runs = rep["runs"]
     assert [(r["mode"], r["streamed"], r["label"]) for r in runs] == [
         ("disaggregated", True, "disaggregated"), ("disaggregated", False, "disaggregated-whole"),
@@ -255,6 +271,7 @@ def test_streamed_and_whole_disaggregated_runs_are_labelled_in_one_invocation(se
     assert all(r["completed"] == 3 and r["client_pid"] != os.getpid() for r in runs)
     assert len({r["client_pid"] for r in runs}) == 4  # a fresh client process per run
     assert set(rep["overhead"]) == {"disaggregated", "disaggregated-whole", "colocated", "per-request"}
+    assert rep["slo_scaling"]["measured_on"] == "disaggregated"  # the first setup calibrates every one
     assert rep["overhead"]["disaggregated"]["streamed"] and not rep["overhead"]["colocated"]["streamed"]
     assert rep["config"]["streamed"] == [True, False] and rep["config"]["step_budget"] == 256
     # the stand-in migrates nothing: the bench says so rather than reporting a streamed run silently
@@ -275,5 +292,81 @@ def test_quick_says_p99_is_about_the_max_and_the_full_run_does_not():
     with pytest.raises(ValueError):
         bs.ServeBenchConfig(streamed=())
     ray = bs.ServeBenchConfig(transport="ray")  # every transport streams, Ray too
-    assert bs.setups(ray) == [*[("disaggregated", s) for s in ray.streamed], ("colocated", False),
-                              ("per_request", True)]
+    assert [(s.mode, s.streamed, s.step_budget, s.label) for s in bs.setups(ray)] == [
+        ("colocated", False, 128, "colocated-128"), ("colocated", False, 256, "colocated-256"),
+        ("colocated", False, 512, "colocated-512"),
+        *[("disaggregated", s, 512, bs.label("disaggregated", s)) for s in ray.streamed],
+        ("per_request", True, 512, "per-request")]
+
+
+def test_the_goodput_search_runs_on_the_server_and_a_trace_replays(server_url, tmp_path):
+    """--model tiny against the in-process server: the goodput search (no --rates) with scaled SLOs,
+    then the shipped Mooncake trace at a fixed time scale."""
+    from pdserve_cli.main import main
+
+    out = tmp_path / "search.json"
+    code = main(["bench", "serve", "--model", "tiny", "--url", server_url, "--mode", "colocated",
+                 "--preset", "short-prompt-long-output", "--num-requests", "5", "--search-steps", "2",
+                 "--search-start", "4", "--json", str(out)])
+    rep = json.loads(out.read_text())
+    assert code == 0 and rep["config"]["model"] == "tiny" and rep["config"]["search"]["steps"] == 2
+    g = rep["goodput"]["colocated"]
+    assert [s["rate"] for s in g["steps"]] == [r["rate"] for r in rep["runs"]] and len(g["steps"]) == 2
+    assert g["steps"][0]["rate"] == 4.0 and [r["search_step"] for r in rep["runs"]] == [0, 1]
+    assert [r["seed"] for r in rep["runs"]] == [1, 2]  # each step its own prompts
+    assert rep["slo_scaling"]["ttft_multiple"] == 5.0 and rep["slo_scaling"]["tpot_multiple"] == 2.0
+    trace = tmp_path / "trace.json"
+    code = main(["bench", "serve", "--model", "tiny", "--url", server_url, "--mode", "colocated",
+                 "--trace", "bench/traces/small.jsonl", "--time-scale", "0.05", "--num-requests", "4",
+                 "--ttft-slo-ms", "60000", "--tpot-slo-ms", "60000", "--json", str(trace)])
+    rep = json.loads(trace.read_text())
+    from bench.serve_trace import read_mooncake
+
+    recs = read_mooncake("bench/traces/small.jsonl")[:4]
+    (run,) = rep["runs"]
+    assert code == 0 and run["completed"] == 4 and run["time_scale"] == pytest.approx(0.05)
+    assert run["total_input_tokens"] == sum(r.input_length for r in recs)
+    assert run["total_output_tokens"] == sum(r.output_length for r in recs)
+    assert rep["config"]["trace"] == "bench/traces/small.jsonl"
+    assert rep["slo_scaling"]["ttft_multiple"] is None
+
+
+def test_best_colocated_budget_is_the_baseline_and_overlapping_intervals_tie():
+    g = {"colocated-128": {"goodput_req_s": 1.0, "ci": [0.5, 1.5]},
+         "colocated-512": {"goodput_req_s": 2.0, "ci": [1.8, 2.4]},
+         "disaggregated": {"goodput_req_s": 3.0, "ci": [2.5, None]},
+         "per-request": {"goodput_req_s": 2.2, "ci": [2.0, 2.6]}}
+    c = bs.compare(g)
+    assert c["best_colocated"] == {"label": "colocated-512", "goodput_req_s": 2.0, "ci": [1.8, 2.4]}
+    assert c["against_best_colocated"] == {"disaggregated": {"ratio": 1.5, "tie": False},
+                                          "per-request": {"ratio": 1.1, "tie": True}}
+
+
+def test_placement_says_when_workers_share_a_core():
+    one_each = bs.placement(2, [0, 1, 2, 3], True)
+    assert one_each["worker_cpus"] == [0, 1] and one_each["cores_left_for_coordinator_and_client"] == 2
+    assert not one_each["shared_core"] and one_each["workers_per_core"] == 1
+    three = bs.placement(3, [0, 1], True)  # 2:1 on two cores: two workers on one core, reported so
+    assert three["worker_cpus"] == [0, 1, 0] and three["shared_core"] and three["workers_per_core"] == 2
+    assert three["cores_left_for_coordinator_and_client"] == 0
+    assert bs.placement(2, [0, 1], False) == {"pinned": False, "cpus": [0, 1], "workers": 2}
+
+
+def test_cluster_config_serves_the_model_asked_for(tmp_path):
+    tiny = bs.cluster_config("colocated", bs.ServeBenchConfig(model="tiny"), step_budget=128)
+    assert tiny.model == "tiny" and tiny.engine == {"scheduler": {"max_num_batched_tokens": 128}}
+    real = bs.cluster_config("disaggregated", bs.ServeBenchConfig())  # SmolLM2 by default, gguf weights
+    assert real.model == "smollm2" and real.engine["weights"] == "gguf" and real.prefill == real.decode == 1
+    assert bs.cluster_config("colocated", bs.ServeBenchConfig(pin_workers=False)).pin_cpus == ()
+    # the step pacer off: a step is the chunk budget compared; None keeps the cluster's own pacer
+    from coordinator.config import ClusterConfig
+
+    assert tiny.step_target_s == 0.0
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"fits": {"local_prefill_max_tokens": 140, "prefill_ms_per_token": 0.3}}))
+    auto = bs.cluster_config("per_request", bs.ServeBenchConfig(model="tiny", decide_profile=str(prof)))
+    assert (auto.disaggregate, auto.local_prefill_max_tokens, auto.prefill_ms_per_token) == ("auto", 140, 0.3)
+    plain = bs.cluster_config("per_request", bs.ServeBenchConfig(model="tiny"))
+    assert plain.prefill_ms_per_token == ClusterConfig().prefill_ms_per_token  # the startup timing decides
+    kept = bs.cluster_config("colocated", bs.ServeBenchConfig(model="tiny", step_target_s=None))
+    assert kept.step_target_s == ClusterConfig().step_target_s > 0

@@ -3,10 +3,13 @@ prefilled on the decode worker itself, a long one on the prefill worker and migr
 same long prompt again on the decode worker, whose prefix cache holds most of it by then. Every
 path gives the in-process engine's greedy tokens; the response's `pdserve.backend.path` and
 /metrics (`pdserve_requests_by_path_total`) say which path each took and why, and the ledger
-comes to rest with nothing held.
+comes to rest with nothing held. With no prefill_ms_per_token configured, the decode worker's
+startup timing prices its local prefills once a migration has been measured.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -39,11 +42,17 @@ def test_both_paths_give_the_local_engines_tokens_and_say_so(ray_local, local_en
             backend = got["pdserve"]["backend"]
             paths.append((backend["path"]["path"], backend["path"]["reason"], backend["prefill_worker"],
                           backend["migration"] is not None))
-        assert paths == [
+        assert paths[:2] == [
             ("local_prefill", "uncached 10 tokens <= 24", "decode-0", False),
             ("disaggregate", "uncached 60 tokens > 24", "prefill-0", True),
-            ("local_prefill", "uncached 12 tokens <= 24, 48 cached on decode", "decode-0", False),
         ]
+        # once a migration was measured, the limit is what the decode worker prefills in one: its prefill
+        # ms per token timed at its startup (engine.warmup.startup_profile), none configured here
+        startup = cc.workers(srv.port)["decode-0"]["startup"]
+        assert startup["prefill_ms_per_token"] > 0 and startup["prefill_tokens"] > 0
+        m = re.fullmatch(r"uncached 12 tokens <= (\d+), 48 cached on decode", paths[2][1])
+        assert m and int(m[1]) >= 24
+        assert (paths[2][0], paths[2][2], paths[2][3]) == ("local_prefill", "decode-0", False)
         metrics = cc.get(srv.port, "/metrics").decode()
         assert 'pdserve_requests_by_path_total{path="local_prefill",reason="short_uncached"} 2.0' in metrics
         assert 'pdserve_requests_by_path_total{path="disaggregate",reason="long_uncached"} 1.0' in metrics

@@ -65,3 +65,33 @@ def test_profile_crossover_is_where_local_prefill_costs_what_a_migration_does():
     assert crossover(0.02, 1.0, 0.0) == 50         # 50 tokens x 0.02 ms = the migration's fixed 1 ms
     assert crossover(0.02, 1.0, 0.01) == 100       # 100 x 0.02 = 1 + 100 x 0.01
     assert crossover(0.01, 1.0, 0.02) is None      # receiving costs more per token than prefilling
+
+
+def test_the_decode_workers_batch_divides_the_limit():
+    # a local prefill stalls every running sequence: with B >= 2 running the limit is base / B
+    assert limit_tokens(DecideInputs(prompt_tokens=1, decode_running=1), AUTO) == 256
+    assert limit_tokens(DecideInputs(prompt_tokens=1, decode_running=4), AUTO) == 64
+    d = decide(DecideInputs(prompt_tokens=100, decode_running=4), AUTO)
+    assert (d.path, d.reason) == ("disaggregate", "uncached 100 tokens > 64, 4 running on decode")
+    assert decide(DecideInputs(prompt_tokens=100, decode_running=1), AUTO).path == "local_prefill"
+
+
+def test_the_decode_workers_startup_measurement_stands_in_for_a_configured_rate():
+    c = DecideConfig(mode="auto", local_prefill_max_tokens=80)
+    measured = DecideInputs(prompt_tokens=1, migration_ms=30.0, decode_prefill_ms_per_token=0.1)
+    assert limit_tokens(measured, c) == 300                       # 30 ms / 0.1 ms per token
+    assert limit_tokens(DecideInputs(prompt_tokens=1, migration_ms=30.0), c) == 80  # nothing measured
+    configured = DecideConfig(mode="auto", local_prefill_max_tokens=80, prefill_ms_per_token=0.2)
+    assert limit_tokens(measured, configured) == 150              # a configured rate wins: 30 / 0.2
+
+
+def test_decide_fields_from_a_profile_file():
+    from coordinator.decide import from_profile
+
+    fits = {"fits": {"local_prefill_max_tokens": 120, "prefill_ms_per_token": 0.35}}
+    assert from_profile(fits) == {"local_prefill_max_tokens": 120, "prefill_ms_per_token": 0.35}
+    assert from_profile({"fits": {"local_prefill_max_tokens": None, "prefill_ms_per_token": 0.0}}) == {}
+    c = DecideConfig(mode="auto", **from_profile(fits))
+    assert limit_tokens(DecideInputs(prompt_tokens=1, migration_ms=70.0), c) == 200  # 70 / 0.35
+    with pytest.raises(ValueError, match="no 'fits'"):
+        from_profile({"prefill": []})

@@ -385,3 +385,17 @@ def test_ttft_per_prompt_class_on_the_same_requests():
     assert "TTFT p50 per prompt class 2/2" in text
     assert "colocated 2 @ 10: TTFT p50 measured / predicted per class: short (2) 11.0 / 11.0" in text
     assert "long (1) 40.0 / 50.0 +25%, paired +10.0 ms" in text
+
+
+def test_simulated_auto_weighs_the_decode_batch_as_the_cluster_does():
+    # four sequences decoding on the decode worker: a 60-token prompt (<= 80 alone) would stall all
+    # four, so auto's limit is 80 / 4 = 20 and it is migrated; the same prompt on an idle decode
+    # worker is prefilled there
+    m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=0.1, decode_fixed_ms=1.0, decode_ms_per_seq=0.1)
+    auto = SimConfig(prefill=1, decode=1, decide="auto", local_prefill_max_tokens=80, num_blocks=512)
+    busy = [Req(i, 0.0, 10, 400) for i in range(4)] + [Req(4, 0.5, 60, 2)]
+    out = simulate(busy, m, auto)
+    assert [o.path for o in out[:4]] == ["local_prefill"] * 4
+    assert (out[4].path, out[4].reason_kind) == ("disaggregate", "long_uncached")
+    alone = simulate([Req(0, 0.0, 60, 2)], m, auto)
+    assert alone[0].path == "local_prefill"

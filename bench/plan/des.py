@@ -149,8 +149,11 @@ class Simulation:
         d = _pick(self.by_role["decode"], req)
         p = _pick(self.by_role["prefill"], req, self.c.routing)
         mean_mig = sum(self.migrations) / len(self.migrations) if self.migrations else None
+        # NOTE: as the cluster: the decode worker's batch, and its prefill rate as its startup timing
+        # measures it (the profile's, the same engine alone)
         dec = decide(DecideInputs(req.prompt_tokens, d.cached_tokens(req), len(p.waiting),
-                                  len(d.waiting) + len(d.importing), mean_mig), self.decide_config)
+                                  len(d.waiting) + len(d.importing), mean_mig, len(d.running),
+                                  self.model.prefill_ms_per_token), self.decide_config)
         o.path, o.reason_kind = dec.path, dec.reason_kind
         home = d if dec.path == "local_prefill" else p  # the engine that prefills it
         o.engine, o.idle_ms = home.name, self._idle_ms(home)

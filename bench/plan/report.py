@@ -1,7 +1,8 @@
 """The planner's output: the per-budget table (configuration, sustained rate, and at the highest
 rate every configuration was simulated at: goodput, attainment, TTFT/TPOT p50/p99), the verdict and
 the per-request threshold, the JSON (the same, every point included) and the plot of goodput
-against rate, one line per configuration and one panel per budget (matplotlib, Agg).
+against rate, one line per configuration (each its own marker and line style) and one panel per
+budget (matplotlib, Agg).
 """
 
 from __future__ import annotations
@@ -44,7 +45,19 @@ def to_json(result: dict, threshold: dict, inputs: dict) -> dict:
     return {"inputs": inputs, "threshold": threshold, "budgets": budgets}
 
 
-def plot(result: dict, path: str) -> None:
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def style(i: int) -> dict:
+    """The i-th configuration's line: its own marker and line style, hollow markers that shrink with
+    i, so configurations predicted the same goodput (lines on top of each other) all stay visible."""
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
+            "markersize": max(3.0, 11.0 - 1.5 * i), "fillstyle": "none", "linewidth": 1.5}
+
+
+def figure(result: dict):
+    """The goodput-vs-rate figure: one panel per budget, one line per configuration (`style`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,14 +65,21 @@ def plot(result: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, len(result), figsize=(6 * len(result), 4), squeeze=False)
     for ax, (budget, b) in zip(axes[0], result.items()):
-        for r in b["rows"]:
+        for i, r in enumerate(b["rows"]):
             xs = [p["rate"] for p in r["points"]]
-            ax.plot(xs, [p["goodput_req_s"] for p in r["points"]], marker="o", label=r["config"])
-        ax.plot(xs, xs, color="grey", linestyle=":", label="offered")
+            ax.plot(xs, [p["goodput_req_s"] for p in r["points"]], label=r["config"], **style(i))
+        ax.plot(xs, xs, color="grey", linestyle=":", linewidth=1, label="offered")
         ax.set_title(f"budget {budget}: best {b['best']}")
         ax.set_xlabel("rate (req/s)")
         ax.set_ylabel("predicted goodput (req/s)")
         ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
     fig.savefig(path, dpi=100)
     plt.close(fig)

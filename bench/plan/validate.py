@@ -1,9 +1,10 @@
 """`pdserve plan --validate`: the configurations that fit this machine (colocated 2, 1P+1D, 1P+1D
-with per-request decisions) served for real by `bench serve` (its functions in-process: the tiny
-model, the same cluster settings, the plan's bench serve preset, mixed unless --preset, a short
-run per rate) and simulated on the very same requests
-(bench serve's request specs, shared prefixes recognised), so predicted and measured TTFT p50/p99,
-TPOT p50/p99 and goodput sit side by side per configuration and rate, each prediction twice: the
+with per-request decisions) served for real by `bench serve` (its functions in-process: the model
+the profile measured, or --model, the same cluster settings, workers pinned one core each, the
+plan's bench serve preset, mixed unless --preset, or its Mooncake trace, a short run per rate)
+and simulated on the very same requests (bench serve's request specs, shared prefixes
+recognised), so predicted and measured TTFT p50/p99, TPOT p50/p99 and goodput sit side by side
+per configuration and rate, each prediction twice: the
 model as loaded (the profile's contention unless --contention) and a what-if with the given
 `contention`; the p50 errors (predicted / measured - 1) are counted against the issue's 25%. It
 also reports the unloaded TTFT bench serve measures (max_tokens=1, back to back) beside the
@@ -100,21 +101,31 @@ def ranking_matches(pairs: list[dict]) -> bool:
     return all(p["same_order"] for p in pairs if p.get("significant", True))
 
 
-def _serve_config(rates, num_requests: int, slo, preset: str = "mixed"):
+def _serve_config(rates, num_requests: int, slo, preset: str = "mixed", model: str = "tiny",
+                  trace: str | None = None, step_budget: int = 512):
+    """bench serve's settings for the validation: the plan's fixed SLOs (no scaling: the plan's own),
+    one colocated setup at the plan's chunk budget, workers pinned as bench serve pins them."""
     from bench.serve import ServeBenchConfig
+    from bench.serve_slo import SLOScale
 
     return ServeBenchConfig(modes=tuple(SETUPS), streamed=(True,), rates=tuple(rates),
-                            num_requests=num_requests, preset=preset, overhead_requests=4, warmup_requests=2,
-                            slo=slo, quick=True, detailed=True)
+                            num_requests=num_requests, preset=preset, trace=trace, model=model,
+                            step_budget=step_budget, colocated_budgets=(), overhead_requests=4,
+                            warmup_requests=2, slo=slo, slo_scale=SLOScale(None, None), quick=True,
+                            detailed=True)
 
 
 def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print,
-                 preset: str = "mixed") -> dict:
+                 preset: str = "mixed", served_model: str = "tiny", trace: str | None = None,
+                 step_budget: int = 512) -> dict:
+    """Serve the configurations with bench serve (`served_model`: the model the profile measured)
+    and predict the very same requests."""
     from bench.serve import run_bench
 
-    cfg = _serve_config(rates, num_requests, slo, preset)
+    cfg = _serve_config(rates, num_requests, slo, preset, served_model, trace, step_budget)
     report = run_bench(cfg, log=log)
-    measured = [{"mode": r["mode"], "rate": r["rate"], "measured": _pick(r), "slo_met": r["slo_met"],
+    measured = [{"mode": r["mode"], "rate": r["rate"], "seed": r.get("seed"), "measured": _pick(r),
+                 "slo_met": r["slo_met"],
                  "duration": r["duration"], "measured_paths": r.get("paths", {}),
                  "requests": _per_request(r.get("requests"))} for r in report["runs"]]
     unloaded = {name: {"measured_ttft_p50": o["prefill_only"]["ttft_ms"]["p50"]}
@@ -131,9 +142,10 @@ def resimulate(model: StepModel, saved: dict, contention: float) -> dict:
 
     sc = saved["serve_config"]
     slo = SLO(**{k: v for k, v in saved["slo"].items() if k in SLO.__dataclass_fields__})
-    cfg = _serve_config(sc["rates"], sc["num_requests"], slo, sc.get("preset", "mixed"))
-    measured = [{k: r.get(k) for k in ("mode", "rate", "measured", "slo_met", "duration", "measured_paths",
-                                       "requests")}
+    cfg = _serve_config(sc["rates"], sc["num_requests"], slo, sc.get("preset") or "mixed",
+                        sc.get("model", "tiny"), sc.get("trace"), sc.get("step_budget") or 512)
+    measured = [{k: r.get(k) for k in ("mode", "rate", "seed", "measured", "slo_met", "duration",
+                                       "measured_paths", "requests")}
                 for r in saved["rows"]]
     unloaded = {n: {"measured_ttft_p50": u["measured_ttft_p50"]} for n, u in saved["unloaded"].items()}
     return {**compare(model, cfg, measured, unloaded, contention), "serve_config": sc, "slo": saved["slo"]}
@@ -148,14 +160,15 @@ def compare(model: StepModel, cfg, measured: list[dict], unloaded: dict, content
     rows, measured_total, predicted_total, runs = [], {}, {}, {}
     for run in measured:
         mode, rate = run["mode"], run["rate"]
-        i = list(cfg.rates).index(rate)
-        reqs = from_specs(_requests(cfg, rate, cfg.num_requests, cfg.seed + 1 + i))
+        seed = run.get("seed")  # saved before runs kept their seed: the rate's index, as bench serve drew it
+        seed = cfg.seed + 1 + list(cfg.rates).index(rate) if seed is None else seed
+        reqs = from_specs(_requests(cfg, rate, cfg.num_requests, seed))
         sc = _sim_config(mode, cfg, local_max)
         outcomes = simulate(reqs, model, sc)
         pred = summarize(outcomes, cfg.slo)
         shared = summarize(simulate(reqs, replace(model, contention=contention), sc), cfg.slo)
         m = run["measured"]
-        rows.append({"config": sc.label, "mode": mode, "rate": rate, "measured": m,
+        rows.append({"config": sc.label, "mode": mode, "rate": rate, "seed": seed, "measured": m,
                      "predicted": _pick(pred), "predicted_contention": _pick(shared),
                      "error": {k: _err(_pick(pred)[k], m[k]) for k in ("ttft_p50", "tpot_p50")},
                      "requests": run.get("requests"),

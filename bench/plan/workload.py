@@ -1,7 +1,9 @@
 """The planner's workload: requests with an arrival time, prompt and output lengths, and an optional
 shared prefix (id and length: its full blocks are one cached chain wherever it was prefilled). From a
 trace JSON (a list, or {"requests": [...]}, of {"arrival_s", "prompt_tokens", "output_tokens",
-optional "prefix_id", "prefix_tokens"}), from length distributions and a Poisson rate (bench.loadgen's
+optional "prefix_id", "prefix_tokens"}) or a Mooncake JSONL trace (bench.serve_trace: a request's
+prefix is the longest run of leading hash ids it shares with another request, one block of 512
+tokens per id, named by those ids), from length distributions and a Poisson rate (bench.loadgen's
 LengthDist and presets), or from `bench serve`'s own request specs (shared prefixes found by their
 first tokens). `at_rate` rescales a trace's arrivals to another mean rate.
 """
@@ -34,12 +36,35 @@ class Req:
 
 
 def load_trace(path: str) -> list[Req]:
+    """The planner's trace JSON, or a Mooncake JSONL trace (recognised by its first line)."""
+    from bench.serve_trace import is_mooncake, read_mooncake
+
+    if is_mooncake(path):
+        return from_mooncake(read_mooncake(path))
     with open(path) as f:
         data = json.load(f)
     rows = data["requests"] if isinstance(data, dict) else data
     out = [Req(i, float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"]),
                r.get("prefix_id"), int(r.get("prefix_tokens", 0))) for i, r in enumerate(rows)]
     return sorted(out, key=lambda r: r.arrival_s)
+
+
+def from_mooncake(records) -> list[Req]:
+    """bench.serve_trace records as planner requests. The planner knows one shared prefix per
+    request: its longest run of leading hash ids that another request also starts with (the full
+    blocks of it, cut to the prompt), named by those ids, so requests sharing it share the same
+    id. A request sharing two different depths with two others keeps the deeper one only."""
+    from bench.serve_trace import BLOCK_TOKENS
+
+    starts = Counter(r.hash_ids[:k] for r in records for k in range(1, len(r.hash_ids) + 1))
+    out = []
+    for i, r in enumerate(records):
+        k = max((k for k in range(1, len(r.hash_ids) + 1) if starts[r.hash_ids[:k]] > 1), default=0)
+        tokens = min(k * BLOCK_TOKENS, r.input_length)
+        pid = "h" + "-".join(map(str, r.hash_ids[:k])) if k else None
+        out.append(Req(i, (r.timestamp_ms - records[0].timestamp_ms) / 1000.0, r.input_length,
+                       r.output_length, pid, tokens if pid else 0))
+    return out
 
 
 def mean_rate(reqs: list[Req]) -> float:
