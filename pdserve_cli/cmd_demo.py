@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="prefill worker's KV block size")
     p.add_argument("--decode-block-size", type=int, default=0,
                    help="decode worker's KV block size (0: same; a different one is re-blocked)")
-    weights_arg.add_argument(p, "gguf for GGUF models, else bf16")
+    weights_arg.add_argument(p)
 
 
 def run(args) -> int:

@@ -150,6 +150,7 @@ class WorkerInfo:
     model_source: str = "local"  # where its weights came from: local, object_store or node_cache
     threads: int = 1             # the intra-op threads its engine computes on (torch and CPU kernels)
     niceness: int = 0            # its process's nice value (runtime.priority; Ray starts workers at 15)
+    weights: str = "f32"         # what its engine computes in (engine.weight_format.computed_in)
 
 
 # ---- events -----------------------------------------------------------------------------------
