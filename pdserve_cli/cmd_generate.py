@@ -80,7 +80,7 @@ def run(args) -> int:
     else:
         for c in body["choices"]:
             prefix = f"[{c['index']}] " if len(body["choices"]) > 1 else ""
-            print(f"{prefix}{c['text']}")
+            print(f"{prefix}{c['text']}", flush=True)
         if body.get("system_fingerprint"):
             print(f"({body['system_fingerprint']})", file=sys.stderr)
     return 0
