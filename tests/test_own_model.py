@@ -38,6 +38,15 @@ def test_model_type_names_the_architecture():
         ModelConfig.from_hf_config({**llama, "model_type": "gpt2"})
 
 
+def test_a_folder_without_tokenizer_json_is_said(no_architectures, caplog):
+    """The byte-level fallback is right for a byte-level model only: a warning names it."""
+    from engine.loader import load_model
+
+    with caplog.at_level("WARNING", logger="engine.loader"):
+        load_model(no_architectures.dir, backend="torch")
+    assert "has no tokenizer.json: text is encoded as bytes" in caplog.text
+
+
 def test_generate_local_runs_the_folder_in_the_serving_format(no_architectures, capsys):
     ckpt = no_architectures
     prompt = ckpt.prompts[0]
