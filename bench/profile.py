@@ -222,7 +222,10 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
 
 
 def format_profile(report: dict) -> str:
-    f, lines = report["fits"], ["prefill (max_tokens=1): tokens / cached -> ms"]
+    c = report["config"]
+    f, lines = report["fits"], [f"model {c['model']}, {c.get('weights', 'f32')} weights, block size "
+                                f"{c['block_size']}, {c['device']}",
+                                "prefill (max_tokens=1): tokens / cached -> ms"]
     lines += [f"  {r['prompt_tokens']:6d} / {r['cached_tokens']:5d} -> {r['ms']:8.2f}"
               for r in report["prefill"]]
     lines.append("decode step: batch x context -> ms")
