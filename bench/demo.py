@@ -1,13 +1,14 @@
-"""The demo `pdserve demo` (and `make demo`) runs: first the allocator-policy simulator on the
-shipped trace (table, JSON and figure under `out`), then a disaggregated cluster on an embedded
-local Ray with 1 prefill + 1 decode worker serving a real model (SmolLM2-135M-Instruct by
-default, `smollm2`; `tiny` is the random test model) and KV migrated over ZeroMQ (or Ray), to
-which it sends a handful of requests over HTTP (two sharing a long prefix, a long prompt whose
-KV streams out while it is still being prefilled, one with n=2, one streamed chat), printing
-each answer's text with its migration (blocks, bytes, ms, transport; for the long prompt, how
-much of the transfer overlapped the prefill) and TTFT/TPOT, then the ownership ledger's end
-state (nothing owned), before shutting everything down, the Ray it started included. Only the
-command line imports this module.
+"""The demo `pdserve demo` (and `make demo`) runs, for a newcomer: first what pdserve is, a
+disaggregated cluster on an embedded local Ray with 1 prefill + 1 decode worker serving a real
+model (SmolLM2-135M-Instruct by default, `smollm2`; `tiny` is the random test model, and the demo
+says its text is noise) and KV migrated over ZeroMQ (or Ray), to which it sends a handful of
+requests over HTTP (two sharing a long prefix, a long prompt whose KV streams out while it is
+still being prefilled, one with n=2, one streamed chat), printing each answer's text with its
+migration (blocks, bytes, ms, transport; for the long prompt, how much of the transfer overlapped
+the prefill) and TTFT/TPOT, then the ownership ledger's end state (nothing owned), before
+shutting everything down, the Ray it started included. Then, with one sentence on why it is
+there (WHY_ALLOCATOR), the allocator-policy simulator on the shipped trace (table, JSON and figure
+under `out`). Only the command line imports this module.
 """
 
 from __future__ import annotations
@@ -19,16 +20,36 @@ import time
 import urllib.request
 
 DEFAULT_MODEL = "smollm2"
+RANDOM_MODEL = "tiny"  # weights drawn from a seed (engine.loader): its answers are byte noise
+RANDOM_NOTE = ("tiny is a random model: its text is noise (the migrations, timings and ledger are real; "
+               "--model smollm2 answers in English)")
+WHY_ALLOCATOR = ("Why paged blocks: the cluster above keeps every prompt's KV in fixed-size blocks, and this "
+                 "replays a shipped request trace through the other ways to hand out that memory "
+                 "(fail_w/_free: requests refused or cut off although enough of it was free, in pieces).")
 
 
 def run(out: str = "out/demo", transport: str = "zmq", block_size: int = 16,
         decode_block_size: int = 0, model: str = DEFAULT_MODEL, weights: str = "f32") -> int:
-    """Both steps; 0 on success, 2 when the shipped scenario cannot be read."""
+    """Both steps, the cluster first; 0 on success, the cluster's failure status, or 2 when the
+    shipped scenario cannot be read."""
+    os.makedirs(out, exist_ok=True)
+    print(f"== 1. Disaggregated cluster: 1 prefill + 1 decode worker, model {model}, "
+          f"{transport} transport, {weights} weights ==")
+    if model == RANDOM_MODEL:
+        print(RANDOM_NOTE)
+    code = _cluster_demo(transport, block_size, decode_block_size, model, weights)
+    if code:
+        return code
+    print()
+    print("== 2. Allocator policies on a shipped trace ==")
+    print(WHY_ALLOCATOR)
+    return _allocator_study(out)
+
+
+def _allocator_study(out: str) -> int:
     from bench.sim.report import load, run_and_report, source_name
     from bench.sim.scenario import ScenarioError
 
-    os.makedirs(out, exist_ok=True)
-    print("== 1. Allocator policies on the shipped trace (the second seed's experiment) ==")
     source = source_name(None)
     try:
         scenario = load(None)
@@ -36,10 +57,7 @@ def run(out: str = "out/demo", transport: str = "zmq", block_size: int = 16,
         print(f"pdserve demo: {source}: {e}", file=sys.stderr)
         return 2
     run_and_report(scenario, source, os.path.join(out, "simulate.json"), os.path.join(out, "simulate.png"))
-    print()
-    print(f"== 2. Disaggregated cluster: 1 prefill + 1 decode worker, model {model}, "
-          f"{transport} transport, {weights} weights ==")
-    return _cluster_demo(transport, block_size, decode_block_size, model, weights)
+    return 0
 
 
 def _post(base: str, body: dict, path: str = "/v1/completions") -> dict:
@@ -130,7 +148,7 @@ def _cluster_demo(transport: str, block_size: int, decode_block_size: int, model
         long = _post(base, {**line, "prompt": prefix * 8 + "Q: What is the capital of Japan?\nA:"})
         _report("long prompt", long)
         _overlap(long)
-        if model == "tiny":  # the random test model has no chat template
+        if model == RANDOM_MODEL:  # the random test model has no chat template
             _report("streamed", _stream(base, {**common, "prompt": "Streaming tokens back, one at a time"}))
         else:
             chat = {**common, "max_tokens": 32,

@@ -25,6 +25,8 @@ the small points) and plots it.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -156,10 +158,22 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
     return rows
 
 
+def quiet_nixl() -> None:
+    """NIXL logs an INFO line to stdout for each agent and backend it makes, in the middle of this
+    bench's progress: keep it to warnings, unless NIXL_LOG_LEVEL already says otherwise. NIXL reads
+    that variable when first imported (a peer process inherits it); its `nixl` logger is set too,
+    for a process that imported it already."""
+    if os.environ.get("NIXL_LOG_LEVEL"):
+        return
+    os.environ["NIXL_LOG_LEVEL"] = "WARN"
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     """Run every point and the baselines; returns {"machine": bench.machine.describe(), "results":
     [...], "baselines": [...], "timeline": [...]} (timeline: one record per timed migration, see
     `bench.migrate_trace`)."""
+    quiet_nixl()
     shapes = [(name, parse_kv_shape(name)) for name in cfg.kv_shapes]
     unknown = set(cfg.transports) - set(TRANSPORTS)
     if unknown:

@@ -34,6 +34,7 @@ class ProfileConfig:
     transport: a bench.migrate transport (zmq-tcp, zmq-ipc, ray...); migrate_tokens: its points."""
 
     model: str = "smollm2"  # as `pdserve up`; 'tiny' for tests and smoke runs
+    weights: str = "f32"  # the engine's weight format (`pdserve profile`: pdserve_cli.weights_arg's default)
     block_size: int = 16
     device: str = "cpu"
     prompt_lens: tuple[int, ...] = (16, 64, 256, 512, 1024)
@@ -72,7 +73,7 @@ def _engine(cfg: ProfileConfig):
     blocks = max(cfg.batch_sizes) * (max(cfg.contexts) // cfg.block_size + 4) \
         + 4 * (max(cfg.prompt_lens) // cfg.block_size + 2)
     return LLMEngine(EngineConfig(model=cfg.model, block_size=cfg.block_size, device=cfg.device,
-                                  num_blocks=max(512, blocks)))
+                                  num_blocks=max(512, blocks), weights=cfg.weights))
 
 
 def _ids(rng, n: int, vocab: int) -> list[int]:
@@ -221,7 +222,10 @@ def _serving(report: dict, cfg: ProfileConfig, log) -> None:
 
 
 def format_profile(report: dict) -> str:
-    f, lines = report["fits"], ["prefill (max_tokens=1): tokens / cached -> ms"]
+    c = report["config"]
+    f, lines = report["fits"], [f"model {c['model']}, {c.get('weights', 'f32')} weights, block size "
+                                f"{c['block_size']}, {c['device']}",
+                                "prefill (max_tokens=1): tokens / cached -> ms"]
     lines += [f"  {r['prompt_tokens']:6d} / {r['cached_tokens']:5d} -> {r['ms']:8.2f}"
               for r in report["prefill"]]
     lines.append("decode step: batch x context -> ms")

@@ -29,7 +29,7 @@ def _contention_child() -> int:
     job = json.loads(sys.stdin.readline())
     torch.set_num_threads(1)  # as every worker (runtime.actor)
     engine = LLMEngine(EngineConfig(model=job["model"], block_size=job["block_size"], device="cpu",
-                                    num_blocks=512))
+                                    num_blocks=512, weights=job["weights"]))
     params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
     ids = [engine.add_request([1 + (i * 7 + j) % 100 for i in range(job["ctx"])], params)
            for j in range(job["batch"])]
@@ -69,8 +69,9 @@ def measure_contention(cfg, log=print, batch: int = 8, ctx: int = 128, rounds: i
     watchdog.daemon = True
     watchdog.start()
     try:
-        job = {"model": cfg.model, "block_size": cfg.block_size, "batch": batch, "ctx": ctx,
-               "steps": cfg.contention_steps, "max_tokens": 2 * rounds * cfg.contention_steps + 16}
+        job = {"model": cfg.model, "weights": cfg.weights, "block_size": cfg.block_size, "batch": batch,
+               "ctx": ctx, "steps": cfg.contention_steps,
+               "max_tokens": 2 * rounds * cfg.contention_steps + 16}
         for p in procs:
             p.stdin.write(json.dumps(job) + "\n")
             p.stdin.flush()

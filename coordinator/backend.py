@@ -6,6 +6,9 @@ with the same methods and attributes):
     tokenizer                     encode(text) -> list[int], decode(ids) -> str
     max_context: int              prompt + max_tokens may not exceed it
     vocab_size: int               prompt ids must be below it
+    weights: str                  what the engines compute in ('bf16', 'gguf'...;
+                                  engine.weight_format.computed_in): each response's
+                                  `system_fingerprint` names it
     async def submit(creq)        an async iterator of events for one CompletionRequest (its
                                   prompt_ids filled): TokenEvent(index, token_ids,
                                   finish_reason, logprobs) per choice and batch, finish_reason
@@ -101,6 +104,7 @@ class LocalEngineBackend:
         self.tokenizer = self.engine.tokenizer
         self.max_context = self.engine.model_config.max_position_embeddings
         self.vocab_size = self.engine.model_config.vocab_size
+        self.weights = self.engine.computes_in
         self.aborted = 0
         self.handler = ColocatedHandler(WorkerConfig(WORKER, ""), self.engine)
         self._sinks: dict[str, _Sink] = {}

@@ -69,6 +69,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         self._paths: dict[str, Decision] = {}        # request id -> where its prompt is prefilled, and why
         self.tokenizer = None  # loaded from the first worker's description at start
         self.max_context = self.vocab_size = 0
+        self.weights = ""  # what the workers compute in (engine.weight_format.computed_in), known at start
         self.name = config.name or config.model
         self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
         self.ledger = Ledger()

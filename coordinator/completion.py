@@ -73,6 +73,11 @@ TEXT = ResponseFormat(object="text_completion", chunk_object="text_completion", 
                       chunk_choice=_text_chunk_choice)
 
 
+def system_fingerprint(weights: str) -> str:
+    """A response's OpenAI `system_fingerprint`: which weight format computed it ('pdserve-bf16')."""
+    return f"pdserve-{weights}"
+
+
 class CompletionRun:
     """One admitted request: pulls backend events, turns them into per-choice deltas, keeps time."""
 
@@ -144,6 +149,9 @@ class CompletionRun:
             return None
         c = self.choices[i]
         return self.shape.logprobs(self.backend.tokenizer, c.ids, c.logprobs, 0)[0]
+
+    def system_fingerprint(self) -> str:
+        return system_fingerprint(self.backend.weights)
 
     def usage(self) -> dict:
         completion = sum(len(c.ids) for c in self.choices)

@@ -175,7 +175,8 @@ async def _run(request: web.Request, creq, model: str, shape: ResponseFormat) ->
 
 
 def _head(run: CompletionRun, model: str, object_name: str) -> dict:
-    return {"id": run.creq.request_id, "object": object_name, "created": int(time.time()), "model": model}
+    return {"id": run.creq.request_id, "object": object_name, "created": int(time.time()), "model": model,
+            "system_fingerprint": run.system_fingerprint()}
 
 
 async def _whole(run: CompletionRun, model: str, shape: ResponseFormat) -> web.Response:

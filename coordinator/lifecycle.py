@@ -65,6 +65,7 @@ class LifecycleMixin(DrainMixin):
             raise RuntimeError(f"a worker failed to start: {e}") from None
         first = infos[0]  # every worker serves the same model (the handshakes enforce it)
         self.max_context, self.vocab_size = first.max_context, first.vocab_size
+        self.weights = "+".join(sorted({info.weights for info in infos}))  # one format unless configs differ
         self.tokenizer = load_tokenizer(None if c.model == "tiny" else c.model, first)
         self._monitor_task = asyncio.create_task(self._monitor())
         return self

@@ -16,6 +16,10 @@ import torch
 from kvcache.storage import KVLayout, dtype_from_name, dtype_name
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# config.json's model_type -> its architecture, for a config without `architectures` (some exports
+# and hand-written configs omit it; transformers itself maps model_type the same way)
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM"}
 # rope_type values engine.rope implements (see engine/rope.py for the formulas).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -134,9 +138,15 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_config(cfg: dict) -> ModelConfig:
-        """Read a Hugging Face config.json dict; refuse what this engine cannot run exactly."""
+        """Read a Hugging Face config.json dict; refuse what this engine cannot run exactly. Without
+        `architectures`, a supported `model_type` names it (ARCHITECTURE_OF_MODEL_TYPE)."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else f"model_type={cfg.get('model_type')!r}"
+        model_type = cfg.get("model_type")
+        arch = archs[0] if archs else ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
+        if arch is None:
+            raise UnsupportedModelError(f"config.json names no architectures and its model_type "
+                                        f"{model_type!r} is not one this engine runs "
+                                        f"({', '.join(ARCHITECTURE_OF_MODEL_TYPE)})")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(f"unsupported architecture {arch}; this engine runs "
                                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -18,7 +18,7 @@ import uuid
 
 import torch
 
-from engine import cpu_attention
+from engine import cpu_attention, weight_format
 from engine.attention import get_backend
 from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
@@ -50,6 +50,7 @@ class LLMEngine:
                                 weights=config.weights)
         self.model, self.model_config, self.tokenizer = loaded
         self.model_id = model_identity(self.model_config, self.model)
+        self.computes_in = weight_format.computed_in(config.weights, self.model_config.dtype)  # 'bf16'...
         kv_dtype = dtype_name(next(self.model.parameters()).dtype)
         layout = self.model_config.kv_layout(config.block_size, kv_dtype, self.model_id)
         self.storage = KVStorage(layout, config.num_blocks, self.device, null_block=True, shm=config.kv_shm)

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
@@ -30,6 +31,7 @@ from engine.model import LlamaModel
 from engine.tokenizer import ByteTokenizer, HFTokenizer, gguf_tokenizer, load_tokenizer
 from kvcache.storage import dtype_from_name, dtype_name
 
+log = logging.getLogger(__name__)
 TINY_SEED = 1234
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -88,6 +90,9 @@ def load_model(spec: str = "tiny", device: str | torch.device = "cpu", dtype: st
         model = _empty_model(config, backend, device, run_dtype)
         load_weights(model, directory)
         tokenizer = load_tokenizer(directory, config)
+        if isinstance(tokenizer, ByteTokenizer):  # NOTE: said, not silent: text would be noise
+            log.warning("%s has no tokenizer.json: text is encoded as bytes, which fits only a byte-level "
+                        "model; copy the checkpoint's tokenizer.json into the folder", directory)
     model.eval().requires_grad_(False)
     weight_format.apply(model, weights, blocks)  # before packing: oneDNN packs the rounded weights
     model.pack_cpu_gemm(cpu_gemm)  # a no-op off CPU float32

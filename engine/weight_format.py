@@ -42,6 +42,15 @@ NAMES = (*FORMATS, *GGUF_ACTS)
 DEFAULT = "f32"
 
 
+def computed_in(weights: str, dtype: str) -> str:
+    """What a model loaded with `weights` computes in, as responses name it (their
+    `system_fingerprint`): the weight format on a float32 model; else its dtype (formats apply to
+    float32 CPU models only; a GPU's bfloat16 model computes in `bf16`)."""
+    if dtype == "float32":
+        return check_name(weights)
+    return {"bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
+
+
 def check_name(name: str) -> str:
     if name not in NAMES:
         raise ValueError(f"unknown weight format {name!r}; choose from {', '.join(NAMES)}")

@@ -1,12 +1,13 @@
 """`pdserve demo`: the README's main job (`make demo` runs it).
 
-1. The allocator-policy simulator on the shipped trace (table, JSON and figure under --out).
-2. A disaggregated cluster on an embedded local Ray: 1 prefill + 1 decode worker serving
-   SmolLM2-135M-Instruct (--model smollm2, the default), KV migrated over ZeroMQ (or Ray with
-   --transport ray). It sends a handful of requests over HTTP (two sharing a long prefix, one
-   with n=2, one streamed chat), prints each answer's text with its migration (blocks, bytes,
-   ms, transport) and TTFT/TPOT, then the ownership ledger's end state (nothing owned), and
-   shuts everything down, the Ray it started included.
+1. A disaggregated cluster on an embedded local Ray: 1 prefill + 1 decode worker serving
+   SmolLM2-135M-Instruct (--model smollm2, the default; `tiny` is labelled a random model), KV
+   migrated over ZeroMQ (or Ray with --transport ray). It sends a handful of requests over HTTP
+   (two sharing a long prefix, one with n=2, one streamed chat), prints each answer's text with
+   its migration (blocks, bytes, ms, transport) and TTFT/TPOT, then the ownership ledger's end
+   state (nothing owned), and shuts everything down, the Ray it started included.
+2. Then, with a sentence on why: the allocator-policy simulator on the shipped trace (table,
+   JSON and figure under --out).
 The demo itself is `bench.demo`.
 """
 
@@ -17,7 +18,7 @@ from transfer.registry import names as transport_names
 
 NAME = "demo"
 GROUP = None
-HELP = "run the main demo: allocator-policy simulator, then a 1 prefill + 1 decode cluster on local Ray"
+HELP = "run the main demo: a 1 prefill + 1 decode cluster on local Ray, then the allocator-policy study"
 
 
 def add_arguments(p) -> None:
@@ -28,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="prefill worker's KV block size")
     p.add_argument("--decode-block-size", type=int, default=0,
                    help="decode worker's KV block size (0: same; a different one is re-blocked)")
-    weights_arg.add_argument(p, "gguf for GGUF models, else bf16")
+    weights_arg.add_argument(p)
 
 
 def run(args) -> int:

@@ -1,7 +1,10 @@
 """`pdserve generate`: one completion, in-process (`--local`) or from a running coordinator (`--url`).
 
 Both paths print the same body the HTTP API returns with `--json`:
-{"choices": [{"index", "text", "token_ids", "finish_reason"}], "usage": {...}}.
+{"choices": [{"index", "text", "token_ids", "finish_reason"}], "usage": {...}, "system_fingerprint"}.
+`--local` computes in the weight format `up` and `serve` would serve the model in
+(pdserve_cli.weights_arg.resolve), so their greedy tokens agree; the fingerprint ('pdserve-bf16')
+says which format computed the answer, and the text output names it on stderr.
 Bad arguments exit with status 2 and a one-line message.
 """
 
@@ -29,7 +32,7 @@ def add_arguments(p) -> None:
                    "directory (`pdserve models` lists where each is); with --url: the served model's "
                    "name (default: the server's)")
     p.add_argument("--device", default="cpu")
-    weights_arg.add_argument(p, "f32")
+    weights_arg.add_argument(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -77,7 +80,9 @@ def run(args) -> int:
     else:
         for c in body["choices"]:
             prefix = f"[{c['index']}] " if len(body["choices"]) > 1 else ""
-            print(f"{prefix}{c['text']}")
+            print(f"{prefix}{c['text']}", flush=True)
+        if body.get("system_fingerprint"):
+            print(f"({body['system_fingerprint']})", file=sys.stderr)
     return 0
 
 
@@ -90,11 +95,13 @@ def _params(args):
 
 
 def _local(args, ids: list[int] | None) -> dict:
+    from coordinator.completion import system_fingerprint
     from engine.engine import EngineConfig, LLMEngine
 
     params = _params(args)
-    config = EngineConfig(model=args.model or LOCAL_DEFAULT_MODEL, device=args.device,
-                          block_size=args.block_size, weights=args.weights or "f32")
+    model = args.model or LOCAL_DEFAULT_MODEL
+    config = EngineConfig(model=model, device=args.device, block_size=args.block_size,
+                          weights=weights_arg.resolve(args.weights, args.device, model))
     engine = LLMEngine(config)
     if ids is None:
         ids = engine.tokenizer.encode(args.prompt)
@@ -102,7 +109,8 @@ def _local(args, ids: list[int] | None) -> dict:
     completion = sum(len(c["token_ids"]) for c in done.choices)
     return {"choices": done.choices,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                      "total_tokens": len(ids) + completion}}
+                      "total_tokens": len(ids) + completion},
+            "system_fingerprint": system_fingerprint(engine.computes_in)}
 
 
 def _remote(args, ids: list[int] | None) -> dict:
@@ -126,4 +134,5 @@ def _remote(args, ids: list[int] | None) -> dict:
     except urllib.error.URLError as e:
         raise ValueError(f"cannot reach {args.url}: {e.reason}") from None
     return {"choices": [{k: c.get(k) for k in ("index", "text", "token_ids", "finish_reason")}
-                        for c in out["choices"]], "usage": out.get("usage", {})}
+                        for c in out["choices"]], "usage": out.get("usage", {}),
+            "system_fingerprint": out.get("system_fingerprint")}

@@ -8,6 +8,8 @@ print a short table with the fitted rates and the suggested `local_prefill_max_t
 
 from __future__ import annotations
 
+from pdserve_cli import weights_arg
+
 NAME = "profile"
 GROUP = None
 HELP = "measure prefill, decode step and KV migration times on this machine (JSON + table)"
@@ -23,6 +25,7 @@ def add_arguments(p) -> None:
                    "checkpoint directory; `pdserve plan` finds the JSON by itself named profile-MODEL.json")
     p.add_argument("--block-size", type=int, help="KV block size (default 16)")
     p.add_argument("--device", help="cpu (default) or cuda[:i]")
+    weights_arg.add_argument(p)
     p.add_argument("--transport", help="bench migrate's transport: zmq-tcp (default), zmq-ipc, ray")
     p.add_argument("--prompt-lens", type=_ints, help="comma-separated prefill prompt lengths")
     p.add_argument("--batch-sizes", type=_ints, help="comma-separated decode batch sizes")
@@ -42,6 +45,8 @@ def run(args) -> int:
                               ("transport", args.transport), ("prompt_lens", args.prompt_lens),
                               ("batch_sizes", args.batch_sizes)) if v}
     cfg = replace(cfg, **over, serving=not args.no_serving)
+    # the format `up` would serve this model in (the serving part's own clusters serve tiny)
+    cfg = replace(cfg, weights=weights_arg.resolve(args.weights, cfg.device, cfg.model))
     report = run_profile(cfg, log=lambda s: print(s, flush=True))
     print(format_profile(report))
     print(f"({report['seconds']:.1f} s)")

@@ -153,6 +153,7 @@ class WorkerInfo:
     cpus: list[int] = field(default_factory=list)  # the CPUs its threads may run on ([]: not known)
     # engine.warmup.startup_profile's timings at start (prefill_ms_per_token, decode_step_ms...; {}: none)
     startup: dict = field(default_factory=dict)
+    weights: str = "f32"         # what its engine computes in (engine.weight_format.computed_in)
 
 
 # ---- events -----------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ class WorkerActor:
                           eos_token_ids=list(e.model_config.eos_token_ids), device=str(e.device),
                           node_id=node_id, node_address=node_address, pid=os.getpid(),
                           model_source=self.model_source, threads=torch.get_num_threads(),
-                          niceness=self.niceness, cpus=list(self.cpus), startup=dict(self.startup))
+                          niceness=self.niceness, cpus=list(self.cpus), startup=dict(self.startup),
+                          weights=e.computes_in)
 
     def stats(self) -> dict:
         return self.loop.stats()

@@ -1,5 +1,6 @@
 """`pdserve up` as a user runs it: a subprocess that starts its own local Ray, serves the API on
-loopback, answers a completion, and on SIGTERM stops everything it started and exits 0."""
+loopback, answers a completion (with the tokens and the weight format, named by its
+system_fingerprint, of `generate --local`), and on SIGTERM stops everything it started and exits 0."""
 
 import json
 import os
@@ -13,10 +14,12 @@ import urllib.request
 
 import pytest
 
+from pdserve_cli.main import main
+
 pytest.importorskip("ray")
 
 
-def test_up_serves_and_stops_cleanly_on_sigterm():
+def test_up_serves_and_stops_cleanly_on_sigterm(capsys):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pdserve_cli.main", "up", "--model", "tiny", "--port", "0",
            "--num-blocks", "128"]
@@ -37,6 +40,11 @@ def test_up_serves_and_stops_cleanly_on_sigterm():
             out = json.loads(r.read())
         assert len(out["choices"][0]["token_ids"]) == 4
         assert out["pdserve"]["backend"]["migration"]["transport"] == "zmq"
+        assert main(["generate", "--local", "--model", "tiny", "--prompt-ids", "256,1,2,3", "--max-tokens",
+                     "4", "--json"]) == 0
+        local = json.loads(capsys.readouterr().out)
+        assert out["system_fingerprint"] == local["system_fingerprint"] == "pdserve-bf16"
+        assert out["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=90)
         seen += rest

