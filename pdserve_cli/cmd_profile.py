@@ -45,7 +45,7 @@ def run(args) -> int:
                               ("transport", args.transport), ("prompt_lens", args.prompt_lens),
                               ("batch_sizes", args.batch_sizes)) if v}
     cfg = replace(cfg, **over, serving=not args.no_serving)
-    # the format `up` would serve this model in (the serving part's own clusters serve tiny)
+    # the format `up` would serve this model in (the serving part serves the same model and weights)
     cfg = replace(cfg, weights=weights_arg.resolve(args.weights, cfg.device, cfg.model))
     report = run_profile(cfg, log=lambda s: print(s, flush=True))
     print(format_profile(report))
