@@ -27,7 +27,7 @@ def add_argument(parser, default_help: str = "gguf for GGUF models, else bf16, o
 def resolve(flag: str | None, device: str | None, *models: str | None) -> str:
     """The flag if given, else the serving default for `device` (None: cpu) and the --model
     values the engines load (None entries ignored): gguf when every one is a GGUF file."""
-    from engine.gguf import is_gguf_spec
+    from model_files.gguf import is_gguf_spec
 
     if flag:
         return flag
