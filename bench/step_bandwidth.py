@@ -11,7 +11,7 @@ def step_weight_bytes(gguf_path: str) -> int:
     """Bytes of the matrices one llama.cpp decode step reads from this file: every tensor of two or
     more dimensions except the token embedding, which only gives a row per token unless the file
     has no `output.weight` and it doubles as the logits matrix (tied, as SmolLM2's)."""
-    from engine.gguf_reader import GGUFContents
+    from model_files.gguf_reader import GGUFContents
 
     tensors = {t.name: t for t in GGUFContents(gguf_path).tensors if len(t.dims) >= 2}
     if "output.weight" in tensors:

@@ -2,7 +2,7 @@
 
 `parse_chat_request(raw, template)` checks the `messages` (role system, user or assistant;
 content a string or a list of text parts), renders them with the model's chat template
-(engine.chat_template, ending with the assistant's turn header) and hands the rendered prompt
+(model_files.chat_template, ending with the assistant's turn header) and hands the rendered prompt
 plus every other field to the completions parser, so both routes share one set of sampling
 fields and bounds; the result is a `CompletionRequest` (id "chatcmpl-...") whose prompt is
 encoded without extra special tokens, since the template writes them. Chat-only fields
@@ -21,7 +21,7 @@ from coordinator.completion import ResponseFormat
 from coordinator.fields import bool_field, int_field
 from coordinator.logprobs import chat_logprobs
 from coordinator.protocol import CompletionRequest, InvalidRequest, json_object, parse_completion_request
-from engine.chat_template import ChatTemplateError
+from model_files.chat_template import ChatTemplateError
 from protocol.sampling import MAX_LOGPROBS, MAX_N
 
 ROLES = ("system", "user", "assistant")
@@ -79,7 +79,7 @@ def parse_messages(messages) -> list[dict]:
 
 def parse_chat_request(raw: bytes | str | dict, template, *, max_n: int = MAX_N,
                        request_id: str | None = None) -> CompletionRequest:
-    """Validate a chat body and render its prompt with `template` (an engine.chat_template
+    """Validate a chat body and render its prompt with `template` (a model_files.chat_template
     ChatTemplate, or None when the model has none); raises InvalidRequest naming the field."""
     body = json_object(raw)
     if "prompt" in body:

@@ -37,7 +37,7 @@ class LifecycleMixin(DrainMixin):
     _requests, _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
 
     async def start(self):
-        from engine.tokenizer import load_tokenizer
+        from model_files.tokenizer import load_tokenizer
         from protocol.queues import PullQueue
 
         c = self.config

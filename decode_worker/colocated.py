@@ -2,7 +2,7 @@
 disaggregated result is compared with). It lives with the decode worker because it is a decode
 worker that also prefills. `ColocatedHandler` runs on the worker runtime in a Ray actor
 (`ColocatedWorker`, `pdserve up --colocated K`) and in process behind `pdserve serve`
-(coordinator.backend.LocalEngineBackend).
+(deploy.in_process.LocalEngineBackend).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Build a model from a spec: "tiny" (weights drawn from a fixed seed), a Hugging Face
 checkpoint directory (config.json + *.safetensors, sharded model.safetensors.index.json too), or
-a Llama-family GGUF file: a path ending in .gguf, or a shipped name such as "smollm2" (engine.gguf
+a Llama-family GGUF file: a path ending in .gguf, or a shipped name such as "smollm2" (model_files.gguf
 dequantizes it to float32 tensors under Hugging Face names, which load through the same path).
 
 `load_model(spec, device, dtype, backend) -> (model, config, tokenizer)`. The model runs in
@@ -26,10 +26,10 @@ from engine import weight_format
 from engine.attention import AttentionBackend, get_backend
 from engine.config import ModelConfig
 from engine.cpu_decode_layers import DecodeLayers
-from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
 from engine.model import LlamaModel
-from engine.tokenizer import ByteTokenizer, HFTokenizer, gguf_tokenizer, load_tokenizer
 from kvcache.storage import dtype_from_name, dtype_name
+from model_files.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
+from model_files.tokenizer import ByteTokenizer, HFTokenizer, gguf_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 TINY_SEED = 1234
@@ -211,7 +211,7 @@ def load_weights(model: LlamaModel, source: str | Iterable[tuple[str, torch.Tens
     """Copy every checkpoint tensor into its parameter (converting dtype/device).
 
     source: a checkpoint directory (safetensors), or (Hugging Face name, tensor) pairs such as a
-    GGUF file's (engine.gguf); label: what errors call a pair source (default 'tensors').
+    GGUF file's (model_files.gguf); label: what errors call a pair source (default 'tensors').
     """
     if isinstance(source, str):
         tensors, label = _safetensors_tensors(source), source

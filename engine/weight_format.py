@@ -6,7 +6,7 @@ scale per output row (engine.cpu_lowp.quantize_*). `apply(model, name)` writes t
 back into the float32 parameters (so embeddings, prefill rows through oneDNN and the model's
 identity hash all see the weights the format stands for) and gives each Projection, and the
 logits, a `LowpLinear` that decode-sized row counts run through: those read 2x or 4x fewer
-bytes. `gguf` (a GGUF model only) keeps the file's own Q4_1/Q8_0 blocks (engine.gguf.raw_blocks,
+bytes. `gguf` (a GGUF model only) keeps the file's own Q4_1/Q8_0 blocks (model_files.gguf.raw_blocks,
 passed as `blocks`) for each matrix whose parts are all of one such type, in an
 engine.cpu_gguf.GgufLinear; the float32 parameters already hold exactly those blocks' values and
 stay as they are; matrices of other types fall back to bf16, with a logged note. `gguf-q8` keeps
@@ -69,7 +69,7 @@ def _round(param: torch.Tensor, quantize: Quantizer, kernel: bool,
 
 def apply(model, name: str, blocks: dict | None = None) -> dict:
     """Store `model`'s (a float32 CPU engine.model.LlamaModel) matrices in format `name`.
-    blocks: for `gguf`, engine.gguf.GGUFFile.raw_blocks keyed by checkpoint_views names.
+    blocks: for `gguf`, model_files.gguf.GGUFFile.raw_blocks keyed by checkpoint_views names.
     Returns {'format', 'kernel', 'weight_bytes'}: weight_bytes is what one decode step through
     the kernel reads from the matrices (float32 bytes for f32 or without the kernel)."""
     from engine.cpu_gemm import Projection

@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
 
 def listing() -> list[dict]:
     """One entry per known model: name, kind, path (None when absent) and a note."""
-    from engine.gguf import SHIPPED_MODELS, ModelNotInstalled, resolve_model_spec
+    from model_files.gguf import SHIPPED_MODELS, ModelNotInstalled, resolve_model_spec
 
     out = [{"name": "tiny", "kind": "built-in", "path": None,
             "note": "random 4-layer byte-level model (tests and benchmarks); no files"}]
@@ -44,8 +44,8 @@ def listing() -> list[dict]:
 def write_tokenizer_dir(spec: str, directory: str) -> list[str]:
     """Write the HF tokenizer files of GGUF model `spec` into `directory`; returns their paths."""
     from engine.config import ModelConfig
-    from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
-    from engine.tokenizer import gguf_tokenizer
+    from model_files.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
+    from model_files.tokenizer import gguf_tokenizer
 
     if not is_gguf_spec(spec):
         raise ValueError(f"--tokenizer-dir needs a GGUF model (a shipped name or a .gguf file), got {spec!r}")

@@ -41,8 +41,8 @@ def run(args) -> int:
     import asyncio
     import signal
 
-    from coordinator.backend import LocalBackendConfig, LocalEngineBackend
     from coordinator.http import HTTPConfig, make_app, serve
+    from deploy.in_process import LocalBackendConfig, LocalEngineBackend
     from engine.engine import EngineConfig
     from engine.scheduler import SchedulerConfig
 

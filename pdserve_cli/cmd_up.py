@@ -111,7 +111,7 @@ def run(args) -> int:
     from coordinator.cluster import ClusterConfig
     from coordinator.http import HTTPConfig
     from deploy.launch import RayConfig, serve_cluster, start_ray, stop_ray
-    from engine.gguf import is_gguf_spec, resolve_model_spec
+    from model_files.gguf import is_gguf_spec, resolve_model_spec
 
     try:
         device, api_key = getattr(args, "device", None), api_key_args.resolve(args)

@@ -31,7 +31,7 @@ def add_argument(parser, default_help: str = DEFAULT_HELP) -> None:
 def resolve(flag: str | None, device: str | None, *models: str | None) -> str:
     """The flag if given, else the default for `device` (None: cpu) and the --model values the
     engines load (None entries ignored): gguf when every one is a GGUF file, else bf16; f32 off CPU."""
-    from engine.gguf import is_gguf_spec
+    from model_files.gguf import is_gguf_spec
 
     if flag:
         return flag

@@ -2,8 +2,10 @@
 
 After each engine step the handler hands every prefilled request to a transfer thread
 (`prefill_worker.shipper`), which migrates its live sequences to the decode worker the
-coordinator named, under the epoch it gave (`transfer/`), while the engine keeps stepping. The
-request's blocks stay allocated, owned by the handler (`inflight`), until the result comes back
+coordinator named, under the epoch it gave (`transfer/`), while the engine keeps stepping; a
+prompt still computing may stream its blocks already (`prefill_worker.streaming`, which shares
+the handler's `Migrations`). The request's blocks stay allocated, owned by the handler
+(`migrations.inflight`), until the result comes back
 on the loop thread; then they are released (full ones stay in the prefix cache). A migration
 that fails keeps the blocks: the request is *held* until the coordinator names another decode
 worker with `Resend` (no re-prefill), and released on success, `Abort`, `DropHeld`, a newer
@@ -18,8 +20,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from prefill_worker.flights import Flight, Migrations, Target
 from prefill_worker.shipper import ShipJob, Shipped, Shipper
-from prefill_worker.streaming import Flight, StreamingMixin
+from prefill_worker.streaming import StreamedMigrations
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
 from transfer.messages import DecodeState
@@ -45,37 +48,31 @@ class PrefillWorkerConfig(WorkerConfig):
         validate_transport(self.transport)
 
 
-@dataclass
-class _Target:
-    """Where a request's KV goes (the decode worker, its KV address, the migration epoch), and the
-    engine's Request (kept: the engine retires a request that finished at its first token)."""
-
-    decode_worker: str
-    decode_address: str
-    epoch: int
-    request: object = None
-
-
-class PrefillHandler(StreamingMixin):
+class PrefillHandler:
     def __init__(self, config: PrefillWorkerConfig, engine):
         from transfer.senders import SenderPool
 
         self.config, self.engine = config, engine
-        self.targets: dict[str, _Target] = {}                # request id -> migration target
+        self.migrations = Migrations()
         self.held: dict[str, tuple[int, float]] = {}         # request id -> (failed epoch, deadline)
-        self.inflight: dict[str, Flight] = {}                # request id -> migration on a transfer thread
         keys = config.keys
         senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
                              config.namespace, config.transfer_timeout_s, keys.secret if keys else "",
                              pool=engine.storage)
         self.faults = senders.faults  # what InjectFault arms (the chaos benchmark)
         self._shipped: list[Shipped] = []  # results not posted to a loop (before `attach`)
-        self.shipper = Shipper(senders, engine.kv, self._shipped.append, gap_s=config.transfer_timeout_s)
-        self.prefills = self.resends = self.hold_expired = self.streamed = self.stream_fallbacks = 0
+        self._post_result = self._shipped.append  # where `_post` sends a result: the loop once attached
+        self.shipper = Shipper(senders, engine.kv, self._post, gap_s=config.transfer_timeout_s)
+        self.streaming = StreamedMigrations(engine, self.shipper, self.migrations)
+        self.prefills = self.resends = self.hold_expired = self.stream_fallbacks = 0
 
     def attach(self, post) -> None:
         """The worker loop's `send`: a finished migration wakes the loop as a queued command."""
-        self.shipper.post = post
+        self._post_result = post
+
+    def _post(self, done: Shipped) -> None:
+        """A transfer thread's result (called on that thread)."""
+        self._post_result(done)
 
     # ---- the calling thread -----------------------------------------------------------------------
     def accept(self, cmd):
@@ -112,19 +109,19 @@ class PrefillHandler(StreamingMixin):
         return Reply()
 
     def _release(self, rid: str) -> None:
-        self.targets.pop(rid, None)
+        self.migrations.targets.pop(rid, None)
         self.held.pop(rid, None)
         self.engine.abort(rid)
-        if rid in self.inflight:
-            self.inflight[rid].cancel()
+        if rid in self.migrations.inflight:
+            self.migrations.inflight[rid].cancel()
 
     def _submit(self, cmd: Submit, events: list) -> None:
         rid = cmd.request_id
         self.held.pop(rid, None)
         if rid in self.engine.requests or rid in self.engine.prefilled:
             self.engine.abort(rid)  # an earlier attempt of the same request: this one supersedes it
-        if rid in self.inflight:
-            self.inflight[rid].cancel()
+        if rid in self.migrations.inflight:
+            self.migrations.inflight[rid].cancel()
         try:
             self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid)
         except Exception as e:  # validated already; a race with the pool
@@ -134,11 +131,11 @@ class PrefillHandler(StreamingMixin):
         if cmd.generated:  # not scheduled yet: the first prefill computes prompt + generated
             self.engine.requests[rid].seqs[0].output_ids = list(cmd.generated)
         request = self.engine.requests[rid]
-        self.targets[rid] = _Target(cmd.decode_worker, cmd.decode_address, cmd.epoch, request)
+        self.migrations.targets[rid] = Target(cmd.decode_worker, cmd.decode_address, cmd.epoch, request)
 
     def on_step(self, outputs, events: list) -> None:
         for o in outputs:
-            target = self.targets.get(o.request_id)
+            target = self.migrations.targets.get(o.request_id)
             if target is None:
                 continue
             req = target.request
@@ -148,25 +145,25 @@ class PrefillHandler(StreamingMixin):
                                  logprobs=[o.logprobs] if o.logprobs else [],
                                  cached_tokens=req.cached_tokens))
             if req.finished and o.request_id not in self.engine.prefilled:
-                self.targets.pop(o.request_id, None)  # every choice ended at its first token
+                self.migrations.targets.pop(o.request_id, None)  # every choice ended at its first token
 
     def after_step(self, events: list) -> None:
         while self._shipped:  # finished before a loop was attached (a handler driven by hand)
             self._landed(self._shipped.pop(0), events)
         if self.config.stream_migration and self.engine.storage.device.type == "cpu":
-            self._stream_progress()
+            self.streaming.progress()
         for rid in list(self.engine.prefilled):
-            flight = self.inflight.get(rid)
+            flight = self.migrations.inflight.get(rid)
             if flight is None and rid not in self.held:
                 self._ship(rid)
             elif flight is not None and flight.feed is not None \
                     and not (flight.finalized or flight.cancelled):
-                self._finalize(rid, flight)
+                self.streaming.finalize(rid, flight)
         self._expire_held(events)
 
     def _ship(self, rid: str) -> None:
         """Hand a prefilled request to its decode worker's transfer thread; the blocks stay ours."""
-        target = self.targets.pop(rid, None)
+        target = self.migrations.targets.pop(rid, None)
         req = self.engine.prefilled.pop(rid)
         if target is None:  # aborted meanwhile
             self.engine.free_request(req)
@@ -174,13 +171,13 @@ class PrefillHandler(StreamingMixin):
         sampling = req.params.to_dict()
         seqs = [(s.seq_id, f"{rid}/{s.index}", DecodeState(list(s.token_ids), sampling, len(s.output_ids)))
                 for s in req.live_seqs]
-        self.inflight[rid] = Flight(req)
+        self.migrations.inflight[rid] = Flight(req)
         self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, seqs))
 
     def _landed(self, done: Shipped, events: list) -> None:
         """A transfer thread's result, on the loop thread: free the blocks, or hold them."""
         job = done.job
-        flight = self.inflight.pop(job.rid)
+        flight = self.migrations.inflight.pop(job.rid)
         self.engine.kv.allocator.free_many(flight.pinned[::-1])
         if flight.feed is not None and not flight.finalized and not flight.cancelled:
             # the stream failed while the prompt was still computing: it migrates whole when done
@@ -211,7 +208,7 @@ class PrefillHandler(StreamingMixin):
         if self.held.pop(rid, None) is None or rid not in self.engine.prefilled:
             return Reply(error=f"request {rid} is not held on {self.config.name}")
         request = self.engine.prefilled[rid]
-        self.targets[rid] = _Target(cmd.decode_worker, cmd.decode_address, cmd.epoch, request)
+        self.migrations.targets[rid] = Target(cmd.decode_worker, cmd.decode_address, cmd.epoch, request)
         self.resends += 1
         return Reply()  # the loop migrates it after this iteration's step
 
@@ -227,9 +224,9 @@ class PrefillHandler(StreamingMixin):
 
     # ---- reports ----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"held_requests": len(self.engine.prefilled) + len(self.inflight),
-                "migrations_in_flight": len(self.inflight), "held_for_resend": len(self.held),
-                "streamed_migrations": self.streamed, "stream_fallbacks": self.stream_fallbacks,
+        return {"held_requests": len(self.engine.prefilled) + len(self.migrations.inflight),
+                "migrations_in_flight": len(self.migrations.inflight), "held_for_resend": len(self.held),
+                "streamed_migrations": self.streaming.started, "stream_fallbacks": self.stream_fallbacks,
                 "prefills": self.prefills, "resends": self.resends, "hold_expired": self.hold_expired,
                 "prefix_hit_tokens": self.engine.kv.prefix_hit_tokens,
                 "faults_injected": sum(self.faults.injected.values()),
@@ -238,10 +235,11 @@ class PrefillHandler(StreamingMixin):
     def holdings(self) -> dict[str, int]:
         from runtime.holdings import blocks_by_request
 
-        flying = {rid: f.request for rid, f in self.inflight.items() if f.request is not None}
+        flying = {rid: f.request for rid, f in self.migrations.inflight.items() if f.request is not None}
         return blocks_by_request(self.engine, {**flying, **self.engine.requests, **self.engine.prefilled})
 
     def close(self) -> None:
-        for flight in self.inflight.values():  # a stream waiting for blocks ends now, not at its timeout
+        # a stream waiting for blocks ends now, not at its timeout
+        for flight in self.migrations.inflight.values():
             flight.cancel()
         self.shipper.close()

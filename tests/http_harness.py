@@ -19,8 +19,8 @@ import openai
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.backend import LocalEngineBackend
 from coordinator.http import HTTPConfig, make_app, start_server
+from deploy.in_process import LocalEngineBackend
 from engine.engine import EngineConfig
 
 CONFIG = EngineConfig(model="tiny", num_blocks=256)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from engine.gguf import ModelNotInstalled, resolve_model_spec
+from model_files.gguf import ModelNotInstalled, resolve_model_spec
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "Grüße aus Köln: the weather today is"]

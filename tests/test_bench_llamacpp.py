@@ -19,7 +19,7 @@ needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
 
 @pytest.fixture(scope="module")
 def gguf_and_buffers():
-    from engine.gguf import resolve_model_spec
+    from model_files.gguf import resolve_model_spec
 
     path = resolve_model_spec("smollm2")
     return path, llamacpp.extra_buffers_work(path, 1)

@@ -156,8 +156,8 @@ def test_summarize_against_hand_computed_values():
 def server_url():
     import torch
 
-    from coordinator.backend import LocalEngineBackend
     from coordinator.http import HTTPConfig, make_app, start_server
+    from deploy.in_process import LocalEngineBackend
     from engine.engine import EngineConfig
 
     threads = torch.get_num_threads()

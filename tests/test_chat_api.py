@@ -18,7 +18,7 @@ from smollm2_helpers import SKIP, engine_model, hf_tokenizer
 
 from coordinator.chat import parse_chat_request
 from coordinator.protocol import InvalidRequest
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from model_files.chat_template import ChatTemplate, ChatTemplateError
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"model": "smollm2", "temperature": 0, "max_tokens": 12}
@@ -149,7 +149,7 @@ def test_template_errors_are_typed():
 def test_checkpoint_directory_chat_template(tmp_path, form):
     """A Hugging Face checkpoint's template: tokenizer_config.json (a string, or named templates)
     or chat_template.jinja, with the special tokens' text from the config."""
-    from engine.tokenizer import load_tokenizer
+    from model_files.tokenizer import load_tokenizer
 
     _, config, tok = engine_model()
     tok._tok.save(str(tmp_path / "tokenizer.json"))

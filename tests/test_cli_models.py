@@ -25,8 +25,8 @@ def test_listing_names_the_shipped_file(capsys):
 def test_tokenizer_dir_loads_in_transformers_and_matches(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from engine.config import ModelConfig
-    from engine.gguf import GGUFFile
-    from engine.tokenizer import gguf_tokenizer
+    from model_files.gguf import GGUFFile
+    from model_files.tokenizer import gguf_tokenizer
 
     assert main(["models", "--tokenizer-dir", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.iterdir()} == {"tokenizer.json", "tokenizer_config.json", "config.json"}

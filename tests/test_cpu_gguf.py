@@ -268,7 +268,7 @@ def test_smollm2_gguf_greedy_equals_f32():
     assert weight_format.decode_weight_bytes(f32[0]) > 5 * weight_format.decode_weight_bytes(model)
     # a gguf step reads exactly the file's matrices, as llama.cpp's does (bench engine compares the two)
     from bench.step_bandwidth import step_weight_bytes
-    from engine.gguf import resolve_model_spec
+    from model_files.gguf import resolve_model_spec
 
     assert weight_format.decode_weight_bytes(model) == step_weight_bytes(resolve_model_spec("smollm2"))
     prompts = [f32[2].encode(p) for p in ("The capital of France is", "def fibonacci(n):")]

@@ -18,7 +18,7 @@ import sys
 import pytest
 from smollm2_helpers import SKIP, smollm2_path
 
-from engine import gguf
+from model_files import gguf
 from pdserve_cli.main import main
 
 

@@ -1,4 +1,4 @@
-"""GGUF loading (engine.gguf, engine.gguf_tokenizer) against transformers on the shipped
+"""GGUF loading (model_files.gguf, model_files.gguf_tokenizer) against transformers on the shipped
 SmolLM2-135M-Instruct Q4_1 file: every dequantized weight equals transformers' own GGUF loading
 exactly, prefill logits through the paged cache agree within 5e-4 absolute (float32, 30 layers;
 logits span about +-30), greedy ids over 16 new tokens are identical (through the paged runner
@@ -18,8 +18,8 @@ from smollm2_helpers import PROMPTS, SKIP, engine_model, hf_model, hf_tokenizer,
 from test_model_hf import PagedRunner
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.gguf import GGUFError, GGUFFile, unpermute_rows
 from engine.loader import load_model
+from model_files.gguf import GGUFError, GGUFFile, unpermute_rows
 from protocol.sampling import SamplingParams
 
 NEW_TOKENS = 16

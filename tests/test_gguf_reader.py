@@ -1,4 +1,4 @@
-"""engine.gguf_reader against the `gguf` package it replaces for reading: the same metadata values
+"""model_files.gguf_reader against the `gguf` package it replaces for reading: the same metadata values
 and tensor bytes for the shipped SmolLM2 file and for files GGUFWriter writes with every value
 type, and the same float32 bits from `dequantize` as gguf.quants for any Q4_1 / Q8_0 blocks
 (hypothesis: random bytes, so NaN, inf and subnormal scales too). Truncated or foreign bytes are a
@@ -14,7 +14,7 @@ from smollm2_helpers import SKIP, smollm2_path
 
 gguf = pytest.importorskip("gguf")
 
-from engine.gguf_reader import GGUFContents, GGUFFormatError, dequantize  # noqa: E402
+from model_files.gguf_reader import GGUFContents, GGUFFormatError, dequantize  # noqa: E402
 
 
 def _same(path: str) -> GGUFContents:
@@ -77,7 +77,7 @@ BLOCK = {"Q4_1": 20, "Q8_0": 34}
 def test_dequantize_equals_gguf_quants_bit_for_bit(kind, rows, blocks, data):
     raw = data.draw(st.binary(min_size=rows * blocks * BLOCK[kind], max_size=rows * blocks * BLOCK[kind]))
     stored = np.frombuffer(raw, np.uint8).reshape(rows, blocks * BLOCK[kind])
-    from engine.gguf_reader import Tensor
+    from model_files.gguf_reader import Tensor
 
     got = dequantize(Tensor("t", kind, (32 * blocks, rows), stored))
     ref = np.array(gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind]), dtype=np.float32)

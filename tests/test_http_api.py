@@ -20,7 +20,7 @@ from coordinator.detokenize import Detokenizer
 from coordinator.protocol import InvalidRequest, parse_completion_request
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.tokenizer import ByteTokenizer
+from model_files.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

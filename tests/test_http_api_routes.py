@@ -22,7 +22,7 @@ import openai
 import pytest
 from http_harness import CONFIG, POLL_S, Server, serve, wait_settled
 
-from coordinator.backend import LocalEngineBackend
+from deploy.in_process import LocalEngineBackend
 from engine.engine import LLMEngine
 
 

@@ -12,9 +12,9 @@ import socket
 import pytest
 from http_harness import CONFIG, serve
 
-from coordinator.backend import LocalEngineBackend
 from coordinator.edge import json_depth_exceeds
 from coordinator.http import HTTPConfig
+from deploy.in_process import LocalEngineBackend
 from protocol.codec import encode
 from protocol.messages import Submit
 

@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 from http_harness import CONFIG, serve
 
-from coordinator.backend import LocalEngineBackend
 from coordinator.http import HTTPConfig
+from deploy.in_process import LocalEngineBackend
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """Imports flow one way: pdserve_cli/bench -> deploy -> coordinator -> workers -> runtime ->
-transfer/engine -> kvcache -> protocol. Every import of every package module, including the ones
-inside functions, is read with `ast`; sibling packages on one layer (prefill_worker and
-decode_worker, transfer and engine) never import each other, and nothing in the runtime imports
-bench. The coordinator's HTTP layer and cluster backend load without torch.
+transfer/engine -> kvcache -> protocol/model_files. Every import of every package module,
+including the ones inside functions, is read with `ast`; sibling packages on one layer
+(prefill_worker and decode_worker, transfer and engine) never import each other, and nothing in
+the runtime imports bench. The coordinator imports neither the engine nor torch (it tokenizes
+through model_files), and loading every coordinator module loads neither.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
-    {"protocol"},
+    {"protocol", "model_files"},
     {"kvcache"},
     {"transfer", "engine"},
     {"runtime"},
@@ -25,6 +26,9 @@ LAYERS = [
 ]
 LAYER = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 ALLOWED_UPWARD = {("pdserve_cli", "bench")}  # the CLI's `bench` commands call into bench/
+# (package, what it never imports, even downward): the coordinator runs without the model's code
+FORBIDDEN = {("coordinator", name) for name in ("engine", "torch", "triton")} | \
+            {("model_files", name) for name in ("torch", "triton")}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -39,15 +43,15 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def violations() -> list[str]:
+def violations(root: Path = ROOT) -> list[str]:
     bad = []
     for package in LAYER:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):
             for line, target in imports_of(path):
-                if target not in LAYER or target == package or (package, target) in ALLOWED_UPWARD:
-                    continue
-                if LAYER[target] >= LAYER[package]:
-                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+                upward = target in LAYER and target != package and LAYER[target] >= LAYER[package] \
+                    and (package, target) not in ALLOWED_UPWARD
+                if upward or (package, target) in FORBIDDEN:
+                    bad.append(f"{path.relative_to(root)}:{line} imports {target}")
     return bad
 
 
@@ -63,9 +67,22 @@ def test_the_checker_sees_nested_imports(tmp_path):
     assert imports_of(sample) == [(2, "coordinator"), (3, "bench")]
 
 
-def test_coordinator_http_and_cluster_load_without_torch():
-    code = ("import sys, coordinator.http, coordinator.cluster, coordinator.reports, protocol.queues; "
-            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+def test_the_checker_reports_a_forbidden_downward_import(tmp_path):
+    """The coordinator sits above the engine, yet importing it (even inside a function) is reported."""
+    package = tmp_path / "coordinator"
+    package.mkdir()
+    (package / "sample.py").write_text("def f():\n    from engine.tokenizer import load_tokenizer\n")
+    assert violations(tmp_path) == ["coordinator/sample.py:2 imports engine"]
+
+
+def test_every_coordinator_module_loads_without_the_engine_or_torch():
+    """Import every module of coordinator/ and model_files/ in a fresh interpreter: nothing of the
+    engine, torch or triton may be loaded, directly or through another package."""
+    code = ("import importlib, pkgutil, sys\n"
+            "for package in ('coordinator', 'model_files'):\n"
+            "    for m in pkgutil.iter_modules(importlib.import_module(package).__path__):\n"
+            "        importlib.import_module(f'{package}.{m.name}')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'torch', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

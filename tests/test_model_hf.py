@@ -22,8 +22,8 @@ from engine.attn_torch import Workspace
 from engine.config import ModelConfig
 from engine.loader import load_model
 from engine.model import logits_indices
-from engine.tokenizer import ByteTokenizer
 from kvcache import BlockAllocator, KVCacheManager, KVStorage
+from model_files.tokenizer import ByteTokenizer
 
 BLOCK = 4
 

@@ -17,7 +17,7 @@ from hf_checkpoints import CASES, SMALL, VOCAB, Checkpoint, one_torch_thread, tr
 
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.loader import CheckpointError, load_model
-from engine.tokenizer import ByteTokenizer, load_tokenizer
+from model_files.tokenizer import ByteTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)

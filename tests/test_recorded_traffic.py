@@ -14,7 +14,7 @@ from http_harness import CONFIG, serving, serving_smollm2
 from recorded_checks import RECORDED, check_answer
 from smollm2_helpers import SKIP
 
-from coordinator.backend import LocalEngineBackend
+from deploy.in_process import LocalEngineBackend
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.scheduler import Schedule

@@ -15,7 +15,7 @@ from engine.sampling import (
     sample_batch,
     sample_token,
 )
-from engine.tokenizer import ByteTokenizer
+from model_files.tokenizer import ByteTokenizer
 
 
 def _old_noise(seed: int, seq_index: int, position: int, vocab: int) -> torch.Tensor:

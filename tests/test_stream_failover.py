@@ -62,7 +62,7 @@ def _held(actor) -> list[str]:
 
 
 def _finalized(actor, rid: str) -> bool:
-    flight = actor.handler.inflight.get(rid)
+    flight = actor.handler.migrations.inflight.get(rid)
     return flight is not None and flight.finalized
 
 
@@ -271,7 +271,7 @@ def test_a_stream_that_failed_mid_prefill_is_not_restarted_the_request_migrates_
                 break
             step()
         assert [j.feed is not None for j in jobs] == [True, False]  # one stream, then one whole migration
-        assert (handler.streamed, handler.stream_fallbacks) == (1, 1)
+        assert (handler.stats()["streamed_migrations"], handler.stream_fallbacks) == (1, 1)
         totals = {"payload_bytes": 1, "blocks": 13, "reused_blocks": 0, "sequences": 1}
         handler.handle(Shipped(jobs[1], None, 1.0, totals), events)
         assert [e.request_id for e in events if isinstance(e, Migrated)] == ["r"]

@@ -1,5 +1,5 @@
 """Tokenizers: a checkpoint's `tokenizer.json` (or a GGUF file's tokenizer metadata, see
-engine.gguf_tokenizer) through the `tokenizers` package, or the byte-level fallback the tiny
+model_files.gguf_tokenizer) through the `tokenizers` package, or the byte-level fallback the tiny
 model (and any checkpoint directory without a tokenizer.json) uses.
 
 Byte-level scheme (`ByteTokenizer`): text is UTF-8 encoded and each byte b becomes id b
@@ -11,21 +11,27 @@ errors="replace", so a cut-off multi-byte character shows as U+FFFD rather than 
 Both classes share one API: encode(text, add_special_tokens=True) -> list[int],
 decode(ids, skip_special_tokens=True) -> str, and the attributes bos_token_id (int | None),
 eos_token_id (int | None), eos_token_ids (tuple), vocab_size, kind ('byte' or 'hf') and
-chat_template (an engine.chat_template.ChatTemplate, or None when the model ships none).
+chat_template (an model_files.chat_template.ChatTemplate, or None when the model ships none).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine.chat_template import ChatTemplate
-from engine.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
-from engine.gguf_tokenizer import build_tokenizer
+from model_files.chat_template import ChatTemplate
+from model_files.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
+from model_files.gguf_tokenizer import build_tokenizer
 
-if TYPE_CHECKING:  # no runtime import: the coordinator loads tokenizers without torch
-    from engine.config import ModelConfig
+
+class SpecialIds(Protocol):
+    """What a tokenizer takes from the model's config: engine.config.ModelConfig on a worker,
+    the workers' protocol.messages.WorkerInfo on the coordinator."""
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
 
 
 class ByteTokenizer:
@@ -85,11 +91,10 @@ class HFTokenizer:
         self._tok.save(path)
 
 
-def load_tokenizer(spec: str | None, config: ModelConfig) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: str | None, config: SpecialIds) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a model spec: a GGUF file's (a shipped name such as 'smollm2' or a .gguf
     path), tokenizer.json from a checkpoint directory when present, else the byte-level tokenizer
-    (spec None or 'tiny' too). `config` is a ModelConfig or anything with vocab_size,
-    bos_token_id and eos_token_ids (e.g. WorkerInfo)."""
+    (spec None or 'tiny' too)."""
     if is_gguf_spec(spec):
         return gguf_tokenizer(GGUFFile(resolve_model_spec(spec)), config)
     if spec is not None and spec != "tiny":
@@ -101,7 +106,7 @@ def load_tokenizer(spec: str | None, config: ModelConfig) -> ByteTokenizer | HFT
     return ByteTokenizer(config.vocab_size, config.bos_token_id, config.eos_token_ids)
 
 
-def gguf_tokenizer(gguf_file: GGUFFile, config: ModelConfig) -> HFTokenizer:
+def gguf_tokenizer(gguf_file: GGUFFile, config: SpecialIds) -> HFTokenizer:
     """The tokenizer (and chat template, when the file has one) of an open GGUF file."""
     meta = gguf_file.tokenizer_metadata()
     tok = HFTokenizer(build_tokenizer(meta, gguf_file.path), config.bos_token_id, config.eos_token_ids)

@@ -1,4 +1,4 @@
-"""A GGUF file's metadata and tensors, read in one pass (engine.gguf builds on it). GGUF v2/v3,
+"""A GGUF file's metadata and tensors, read in one pass (model_files.gguf builds on it). GGUF v2/v3,
 little-endian: a header, key-value metadata (numbers, bools, strings, arrays of them), tensor infos
 (name, dims with the fastest-varying first, ggml type, offset), then the aligned tensor data, mapped
 read-only. The `gguf` package's GGUFReader does the same but parses each of a tokenizer's ~100k

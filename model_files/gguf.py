@@ -1,7 +1,7 @@
 """Read a Llama-family GGUF file (llama.cpp's single-file format) into what the loader expects:
 a Hugging Face style config dict, the weights as float32 arrays under Hugging Face names
 (`model.layers.0.self_attn.q_proj.weight`, ...), and the tokenizer's metadata. The file is read
-and quantized tensors are widened by engine.gguf_reader (numpy only), and the q/k projection rows that
+and quantized tensors are widened by model_files.gguf_reader (numpy only), and the q/k projection rows that
 llama.cpp's converter permutes for its interleaved rotary layout are put back in the half-split
 order this engine and transformers use. `raw_blocks` gives the Q4_1/Q8_0 matrices' rows as
 stored (uint8, same names and row order) for `--weights gguf` and `gguf-q8`. `--model smollm2` names the
@@ -18,7 +18,7 @@ from importlib import metadata
 
 import numpy as np
 
-from engine.gguf_reader import GGUFContents, dequantize
+from model_files.gguf_reader import GGUFContents, dequantize
 
 # Names `--model` accepts for a GGUF file shipped inside a Python package:
 # name -> (distribution, file inside it, pinned version the Makefile installs).

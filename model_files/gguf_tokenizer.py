@@ -1,4 +1,4 @@
-"""A `tokenizers.Tokenizer` built from a GGUF file's tokenizer metadata (engine.gguf reads it).
+"""A `tokenizers.Tokenizer` built from a GGUF file's tokenizer metadata (model_files.gguf reads it).
 
 GGUF files carry no tokenizer.json: the vocabulary (`tokenizer.ggml.tokens`), the BPE merges,
 each token's type and the special ids are metadata, and `tokenizer.ggml.pre` names how text is
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.gguf import GGUFError
+from model_files.gguf import GGUFError
 
 log = logging.getLogger(__name__)
 
