@@ -20,7 +20,7 @@ import time
 import zmq
 
 from transfer.codec import decode, encode
-from transfer.errors import TransferError, TransferTimeout
+from transfer.errors import TransferError, TransferTimeout, Unauthenticated
 from transfer.messages import Nack, PoolReply
 from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
@@ -28,6 +28,7 @@ from transfer.stream_sender import DataStream
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
+from transfer.zmq_handshake import HandshakeWatch, client_keys
 
 # payload messages up to this size are copied into ZeroMQ's own buffer when sent (pyzmq's default:
 # 64 KiB, so a 64 KiB chunk went zero-copy); `python -m bench.small_move`
@@ -63,6 +64,8 @@ class ZmqChannel:
         self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
         self.scheme, self.where = self._where()
         self.connected = False  # a handshake answered on this socket (a reset forgets it)
+        self.watch: HandshakeWatch | None = None  # the socket's ZeroMQ handshake failures (`_open`)
+        self.poller: zmq.Poller | None = None  # the socket and its watch
         self.ctx = self._context()
         self._open()
 
@@ -83,12 +86,22 @@ class ZmqChannel:
         if self.config.socket_buffer_bytes:
             s.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
             s.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
+        client_keys(s, self.config.secret)  # a keyed receiver admits only the cluster's CURVE key
+        self.watch = HandshakeWatch(s)
+        self.poller = zmq.Poller()
+        self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self.watch.monitor, zmq.POLLIN)
         s.connect(self.config.address)
+
+    def _close_socket(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        self.sock.close(0)
 
     def reset(self) -> None:
         """A fresh socket (the receiver forgets this connection's handshake) and no data stream."""
         self.connected = False
-        self.sock.close(0)
+        self._close_socket()
         self.close_stream()
         self._open()
 
@@ -99,7 +112,7 @@ class ZmqChannel:
 
     def close(self) -> None:
         self.close_stream()
-        self.sock.close(0)
+        self._close_socket()
         if self.ctx is not None:
             self.ctx.term()
         if self.advert is not None:
@@ -117,13 +130,27 @@ class ZmqChannel:
         self.metrics.add("stray_replies")
         return None
 
+    def _readable(self, timeout_ms: int) -> bool:
+        """Whether a reply is queued within `timeout_ms`; Unauthenticated (and a reset) as soon as
+        the socket's ZeroMQ handshake fails (`zmq_handshake`)."""
+        if self.poller is None:
+            return bool(self.sock.poll(timeout_ms))
+        ready = dict(self.poller.poll(timeout_ms))
+        failed = self.watch.failure() if self.watch.monitor in ready else None
+        if failed is not None:
+            self.reset()
+            raise Unauthenticated(f"{self.config.address}: {failed}")
+        return self.sock in ready
+
     def wait(self, headers: tuple[bytes, ...], deadline: float, what: str) -> bytes:
         """The body of the next reply under one of `headers`; TransferTimeout (and a reset) at deadline."""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+            if left <= 0:
                 self.reset()
                 raise TransferTimeout(f"no {what} from {self.config.address} within the timeout")
+            if not self._readable(max(1, int(left * 1000))):
+                continue
             got = self.reply(headers)
             if got is not None:
                 return got[1]
