@@ -22,6 +22,7 @@ from transfer import errors as E
 from transfer import stream_open
 from transfer.codec import encode
 from transfer.messages import PROTOCOL_VERSION
+from transfer.metrics import TransferMetrics
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello
 from transfer.zmq_channel import ZmqSender
@@ -158,7 +159,7 @@ def test_case3_a_trickled_stream_opening_is_cut_at_its_total_deadline(gen):
         served.stop()
 
 
-def test_case3_unauthenticated_openings_have_their_own_cap(gen, monkeypatch):
+def test_case3_unauthenticated_openings_have_their_own_cap_and_cannot_keep_a_sender_out(gen, monkeypatch):
     monkeypatch.setattr(stream_open, "MAX_OPENING", 4)
     src, served = _source(gen, tokens=200), Served(pool(num_blocks=128), stream_open_s=30.0)
     config = TransportConfig(address=served.rx.address, inline_bytes=0)
@@ -168,14 +169,18 @@ def test_case3_unauthenticated_openings_have_their_own_cap(gen, monkeypatch):
         tx.migrate(src, "a", "first", 1)  # its data stream is open: an admitted stream's slot
         served.next()
         idle = [socket.create_connection(("127.0.0.1", served.rx.streams.port), timeout=5) for _ in range(6)]
-        assert sum(s.recv(1) == stream_open.BUSY for s in idle[4:]) == 2  # past the cap: told at once
+        for s in idle:
+            s.sendall(b"P")  # half an opening, held for its 30 s deadline
+        assert sum(s.recv(1) == stream_open.BUSY for s in idle[:2]) == 2  # past the cap: the oldest cut
+        assert served.metrics.refusals["stream_busy"] == 2
         assert tx.migrate(src, "a", "second", 2).request_id == "second"  # the open stream still works
         served.next()
-        tx2 = ZmqSender(src.storage.layout.fingerprint(), config)
-        try:
-            with pytest.raises(E.TransportClosed, match="connection limit") as info:
-                tx2.migrate(src, "a", "third", 3, dedupe=False)
-            assert "token" not in str(info.value)
+        sent = TransferMetrics()
+        tx2 = ZmqSender(src.storage.layout.fingerprint(), config, metrics=sent)
+        try:  # every opening slot is held, yet a sender with its token opens a stream (issue 49)
+            assert tx2.migrate(src, "a", "third", 3, dedupe=False).request_id == "third"
+            assert served.next().request_id == "third"
+            assert tx2.channel.stream.sock is not None and sent.counters["stream_fallbacks"] == 0
         finally:
             tx2.close()
     finally:

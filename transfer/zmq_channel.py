@@ -20,11 +20,11 @@ import time
 import zmq
 
 from transfer.codec import decode, encode
-from transfer.errors import TransferError, TransferTimeout, Unauthenticated
+from transfer.errors import TransferError, TransferTimeout, TransportClosed, Unauthenticated
 from transfer.messages import Nack, PoolReply
 from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
-from transfer.stream_sender import DataStream
+from transfer.stream_sender import FALLBACKS, OPEN_SLACK_S, DataStream
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
@@ -171,7 +171,8 @@ class ZmqChannel:
         self.stream = None
         if reply.data_token and (reply.data_port or reply.data_path) and self.hello_fields()["stream"]:
             at = ("tcp", self.where, reply.data_port) if self.scheme == "tcp" else ("ipc", reply.data_path)
-            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
+            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s,
+                                     self.config.stream_open_s + OPEN_SLACK_S)
         self.pull = False
         self.offered = self.advert is None  # the pool is offered at the first whole transfer
 
@@ -242,17 +243,27 @@ class _Transfer:
         self.ack_header = TOKEN.pack(b"A", token)
         self.streamed = streamed
         big = manifest.payload_bytes > ch.config.inline_bytes
-        self.on_stream = ch.stream is not None and (streamed or big)
+        self.on_stream = ch.stream is not None and (streamed or big) and self._stream_opens()
         kind = (b"O" if self.on_stream else b"W") if streamed else b"S" if self.on_stream else b"M"
         try:
-            if self.on_stream:
-                ch.stream.open()  # TransportClosed when it will not open
             for body in bodies:
                 ch.sock.send_multipart([TOKEN.pack(kind, token), body])
         except TransferError:
             ch.reset()
             raise
         self.live = ch.stream.begin(token, manifest.payload_bytes) if self.on_stream else True
+
+    def _stream_opens(self) -> bool:
+        """Open the data stream if it is not open; when the receiver will not take it (its slots
+        are full, it is flooded: issue 49) the transfer goes on the control socket instead,
+        counted (`stream_fallbacks`) and logged at a bounded rate."""
+        try:
+            self.ch.stream.open()
+            return True
+        except TransportClosed as e:
+            self.ch.metrics.add("stream_fallbacks")
+            FALLBACKS.note(f"{self.ch.config.address}: {e}; this transfer goes on the control socket")
+            return False
 
     def answered(self) -> bool:
         """An early verdict (the receiver gave up) is waiting, or the deadline passed: stop sending."""
