@@ -180,7 +180,7 @@ def test_case3_unauthenticated_openings_have_their_own_cap_and_cannot_keep_a_sen
         try:  # every opening slot is held, yet a sender with its token opens a stream (issue 49)
             assert tx2.migrate(src, "a", "third", 3, dedupe=False).request_id == "third"
             assert served.next().request_id == "third"
-            assert tx2.channel.stream.sock is not None and sent.counters["stream_fallbacks"] == 0
+            assert tx2.channel.stream.sock is not None and sent.counters["data_stream_fallbacks"] == 0
         finally:
             tx2.close()
     finally:

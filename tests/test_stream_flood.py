@@ -46,7 +46,7 @@ def test_a_stream_the_receiver_will_not_open_falls_back_to_the_control_socket(ge
         ack = tx.migrate_streamed(src, "streamed", 1, tokens, {"max_tokens": 4}, blocks)
         assert ack.request_id == "streamed"
         landed = served.next()
-        assert sent.counters["stream_fallbacks"] == 2  # said and counted, not silent
+        assert sent.counters["data_stream_fallbacks"] == 2  # said and counted, not silent
         assert served.kv[landed.seq_id].equal(kv_bytes(src, "a"))  # the same bytes, another path
         assert served.metrics.counters["streams_refused"] == 2
     finally:

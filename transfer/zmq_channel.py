@@ -256,12 +256,12 @@ class _Transfer:
     def _stream_opens(self) -> bool:
         """Open the data stream if it is not open; when the receiver will not take it (its slots
         are full, it is flooded: issue 49) the transfer goes on the control socket instead,
-        counted (`stream_fallbacks`) and logged at a bounded rate."""
+        counted (`data_stream_fallbacks`) and logged at a bounded rate."""
         try:
             self.ch.stream.open()
             return True
         except TransportClosed as e:
-            self.ch.metrics.add("stream_fallbacks")
+            self.ch.metrics.add("data_stream_fallbacks")
             FALLBACKS.note(f"{self.ch.config.address}: {e}; this transfer goes on the control socket")
             return False
 
