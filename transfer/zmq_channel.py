@@ -1,9 +1,11 @@
 """The ZeroMQ channel, sending side: how a `transfer.session.SenderSession` reaches a `ZmqReceiver`.
 
 A DEALER socket connected to the receiver carries the control messages (wire format:
-`transfer.wire`); payloads go on the raw data stream the receiver offers in its hello reply
+`transfer.wire`), a CURVE client with the cluster's key when the config has a secret
+(`zmq_handshake`); payloads go on the raw data stream the receiver offers in its hello reply
 (`stream_sender.DataStream`, opened with the signed token), or as ZeroMQ messages behind the
-manifest when the payload is at most `inline_bytes` or the data plane is "zmq", or stay where
+manifest when the payload is at most `inline_bytes`, the data plane is "zmq" or the receiver will
+not open the data stream (full or flooded: that transfer falls back, counted), or stay where
 they are when the receiver accepted this side's pool offer (`transfer.pull`: it reads them from
 there). Chunks are sent zero-copy from pool memory or a staging slot; between chunks the channel
 checks whether the receiver already answered (it gave up early), and stops. Every wait is a
