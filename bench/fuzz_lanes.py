@@ -14,6 +14,7 @@ import time
 import msgpack
 
 from transfer.wire import TOKEN
+from transfer.zmq_handshake import client_keys
 
 
 def reply_code(body: bytes) -> str:
@@ -42,6 +43,7 @@ class Lane:
         self.secret, self.receiver, self.last_hello = secret, receiver, b""
         self.sock = zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        client_keys(self.sock, secret)  # a keyed receiver admits only the cluster's CURVE key
         self.sock.connect(address)
         self.host = "127.0.0.1"
         self.port, self.stream_token, self.streams = 0, b"", []

@@ -52,7 +52,8 @@ class BenchConfig:
     small_repeats / small_warmup: the least repeats and warm-ups for payloads up to 1 MiB, which
     take milliseconds (with 4 repeats their p50 is one sample of the machine's noise).
     device: where both pools live ('cuda': the ZeroMQ transports stage through pinned buffers;
-    the Ray transports are host-pool only here)."""
+    the Ray transports are host-pool only here). secret: key the ZeroMQ senders and receiver with
+    it, as in a `pdserve up` cluster ('': unkeyed)."""
 
     kv_shapes: tuple[str, ...] = ("tiny", "llama3-8b")
     tokens: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -66,6 +67,7 @@ class BenchConfig:
     small_repeats: int = 30
     small_warmup: int = 10
     device: str = "cpu"
+    secret: str = ""  # the cluster secret of the ZeroMQ endpoints (CURVE control socket, signed hello)
 
 
 QUICK = BenchConfig(tokens=(256, 1024, 2048), repeats=4, warmup=2)
@@ -129,7 +131,7 @@ def _run_layout(cfg: BenchConfig, peer, shape_name: str, layout_args: tuple, gen
     B, rows = layout_args[3], []
     num_blocks = blocks_for(max(cfg.tokens), B) + 2
     recv = Receivers(peer, layout_args, num_blocks, cfg.transports, cfg.chunk_bytes, store, cfg.inline_bytes,
-                      cfg.device)
+                      cfg.device, cfg.secret)
     try:
         for T in cfg.tokens:
             # A fresh sender pool per point: its blocks are contiguous, so the payload is one frame

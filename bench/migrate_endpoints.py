@@ -47,12 +47,13 @@ class Receivers:
     """Receiver endpoints for one (layout, pool size): the peer process and/or a Ray actor."""
 
     def __init__(self, peer, layout_args: tuple, num_blocks: int, transports, chunk_bytes: int,
-                 ray_store_bytes: int = 0, inline_bytes: int | None = None, device: str = "cpu"):
+                 ray_store_bytes: int = 0, inline_bytes: int | None = None, device: str = "cpu",
+                 secret: str = ""):
         self.peer, self.senders, self.actor, self.addrs = peer, {}, None, []
-        self.chunk_bytes, self.inline_bytes = chunk_bytes, inline_bytes
+        self.chunk_bytes, self.inline_bytes, self.secret = chunk_bytes, inline_bytes, secret
         if peer is not None and len(_actors(transports)) < len(transports):
             self.addrs = peer.call(cmd="setup", layout=list(layout_args), num_blocks=num_blocks,
-                                   device=device, address="tcp://127.0.0.1:0",
+                                   device=device, address="tcp://127.0.0.1:0", secret=secret,
                                    more_addresses=[ipc_address()])["addresses"]
         if _actors(transports):
             import ray
@@ -76,7 +77,8 @@ class Receivers:
         address = "" if v.actor else self.addrs[v.address]
         mode = "manifest" if v.pulled else kind.checksum_mode  # a pulled payload is checked against it
         cfg = TransportConfig(address=address or TransportConfig.address, chunk_bytes=self.chunk_bytes,
-                              data_plane=v.data_plane, checksum_mode=mode, **more)
+                              data_plane=v.data_plane, checksum_mode=mode,
+                              secret="" if v.actor else self.secret, **more)  # the actor is unkeyed
         pool = src.storage if v.pulled else None
         fp = src.storage.layout.fingerprint()
         s = self.senders[transport] = (_actor_sender(fp, self.actor, cfg, pool) if v.actor

@@ -56,7 +56,7 @@ class Peer:
                                     prefault=True, device=cmd.get("device", "cpu"))
         cfg = TransportConfig(address=cmd["address"], rcvhwm=cmd.get("rcvhwm", 32),
                               socket_buffer_bytes=cmd.get("socket_buffer_bytes", 4 << 20),
-                              idle_timeout_s=cmd.get("idle_timeout_s", 30.0))
+                              idle_timeout_s=cmd.get("idle_timeout_s", 30.0), secret=cmd.get("secret", ""))
         self.rx = ZmqReceiver(self.manager, cfg, metrics=self.metrics)
         with contextlib.suppress(ImportError, RuntimeError):  # nixl pool offers are read once this is loaded
             import transfer.nixl_channel  # noqa: F401

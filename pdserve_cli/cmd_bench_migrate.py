@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
                    help="zmq-tcp / zmq-ipc: payloads up to this many KiB follow the manifest on the control "
                         "socket instead of the data stream (TransportConfig.inline_bytes, default 256; 0: "
                         "every payload streams): run it twice to find the crossover")
+    p.add_argument("--keyed", action="store_true",
+                   help="key the ZeroMQ endpoints with a fresh cluster secret, as `pdserve up` does (CURVE "
+                        "on the control socket, signed handshake)")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
     p.add_argument("--device", default="cpu",
                    help="both pools' device: cpu or cuda[:i] (zmq transports only; adds the pinned "
@@ -69,6 +72,10 @@ def run(args) -> int:
         over["device"] = args.device
     if args.inline_kib is not None:
         over["inline_bytes"] = args.inline_kib << 10
+    if args.keyed:
+        from protocol.curve import ClusterKeys
+
+        over["secret"] = ClusterKeys.generate().secret
     cfg = replace(cfg, **over)
     print(f"bench migrate: shapes {cfg.kv_shapes}, tokens {cfg.tokens}, block sizes {cfg.block_sizes}, "
           f"transports {cfg.transports}, repeats {cfg.repeats}", flush=True)

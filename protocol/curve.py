@@ -1,11 +1,17 @@
-"""Cluster keys for the ZeroMQ sockets: CURVE encryption plus a ZAP allowlist on the report socket,
-and an HMAC keyed handshake for KV connections (whose bulk bytes stay unencrypted for speed).
+"""Cluster keys for the ZeroMQ sockets: CURVE encryption plus a ZAP allowlist on the report socket
+and on the KV control socket, and an HMAC keyed handshake for KV connections (whose bulk bytes,
+on the raw data stream, stay unencrypted for speed).
 
 `pdserve up` makes one `ClusterKeys` at start and hands it to every worker through Ray. A report
 socket (`PullQueue`) is a CURVE server that admits only clients holding the cluster's key pair,
-so a peer without it can neither connect nor forge a worker's report. KV receivers check the
+so a peer without it can neither connect nor forge a worker's report. A KV receiver's control
+socket is a CURVE server too, keyed with `kv_keys(secret)` (a key pair derived from the cluster
+secret the KV link already carries): a peer without the secret never completes the ZeroMQ
+handshake, so it never gets to send an application frame (libzmq buffers a multipart message
+whole before the application sees any of it; issue 49). Inside that, KV receivers check the
 `hmac_sign` tag each sender puts in its handshake (a fresh nonce and timestamp, so a recorded
-handshake cannot be replayed) before they answer anything else on that connection.
+handshake cannot be replayed, and the receiver's name, so it cannot be redirected) before they
+answer anything else on that connection.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
 
 HANDSHAKE_MAX_AGE_S = 60.0  # a handshake older (or newer) than this is refused
 TAG_HEX, NONCE_HEX = 64, 32   # lengths of an hmac_sign tag and a new_nonce, in hex digits
@@ -36,6 +43,17 @@ class ClusterKeys:
 
     def to_dict(self) -> dict:
         return {"public": self.public, "secret": self.secret}
+
+
+def kv_keys(secret: str) -> ClusterKeys:
+    """The CURVE key pair of the KV control socket for cluster secret `secret` (any non-empty str:
+    tests use plain words): SHA-256 of the secret under this socket's own label is the Curve25519
+    secret key, so every holder of the secret has the pair and nobody else can make it."""
+    if not secret:
+        raise ValueError("a KV CURVE key pair needs the cluster secret")
+    seed = hashlib.sha256(b"pdserve-kv-curve\x00" + secret.encode()).digest()  # 32 bytes
+    private = z85.encode(seed)
+    return ClusterKeys(zmq.curve_public(private).decode(), private.decode())
 
 
 class _OnlyClusterKey:

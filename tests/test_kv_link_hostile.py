@@ -22,9 +22,11 @@ from transfer import errors as E
 from transfer import stream_open
 from transfer.codec import encode
 from transfer.messages import PROTOCOL_VERSION
+from transfer.metrics import TransferMetrics
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello
 from transfer.zmq_channel import ZmqSender
+from transfer.zmq_handshake import client_keys
 
 SECRET = ClusterKeys.generate().secret
 
@@ -48,12 +50,14 @@ def _hello_wire(src, tag="\u00e9" * 64, **extra) -> dict:
 
 
 class Raw:
-    """A bare DEALER on the receiver's control socket."""
+    """A bare DEALER on the receiver's control socket; with `secret`, holding the cluster's CURVE
+    key (a keyed receiver admits nobody else), so what it sends reaches the receiver's own checks."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, secret: str = ""):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        client_keys(self.sock, secret)
         self.sock.setsockopt(zmq.RECONNECT_IVL, -1)  # once closed by the receiver, it stays closed
         self.events = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
@@ -90,7 +94,7 @@ def test_case2_non_ascii_tag_is_a_refusal_not_a_dead_loop(gen):
     assert not hmac_verify(SECRET, ["f"], time.time(), new_nonce(), "\u00e9" * 64, {})  # no TypeError
     assert not hmac_verify(SECRET, ["f"], time.time(), "\u00e9" * 32, "ab" * 32, {})
     src, served = _source(gen), Served(pool(), secret=SECRET)
-    raw = Raw(served.rx.address)
+    raw = Raw(served.rx.address, SECRET)
     try:
         for tag in ("\u00e9" * 64, "x" * 64, "ab", "\u00e9"):
             raw.send(b"H", msgpack.packb(_hello_wire(src, tag), use_bin_type=True))
@@ -114,7 +118,7 @@ def test_case4_oversized_hello_and_early_query_are_refused_unread(gen, monkeypat
     real = handshake.decode
     monkeypatch.setattr(handshake, "decode", lambda *a, **k: decoded.append(1) or real(*a, **k))
     src, served = _source(gen), Served(pool(), secret=SECRET)
-    raw = Raw(served.rx.address)
+    raw = Raw(served.rx.address, SECRET)
     big = msgpack.packb(list(range(1 << 20)), use_bin_type=True)  # ~3 MiB of msgpack array
     try:
         raw.send(b"H", big)
@@ -155,7 +159,7 @@ def test_case3_a_trickled_stream_opening_is_cut_at_its_total_deadline(gen):
         served.stop()
 
 
-def test_case3_unauthenticated_openings_have_their_own_cap(gen, monkeypatch):
+def test_case3_unauthenticated_openings_have_their_own_cap_and_cannot_keep_a_sender_out(gen, monkeypatch):
     monkeypatch.setattr(stream_open, "MAX_OPENING", 4)
     src, served = _source(gen, tokens=200), Served(pool(num_blocks=128), stream_open_s=30.0)
     config = TransportConfig(address=served.rx.address, inline_bytes=0)
@@ -165,14 +169,18 @@ def test_case3_unauthenticated_openings_have_their_own_cap(gen, monkeypatch):
         tx.migrate(src, "a", "first", 1)  # its data stream is open: an admitted stream's slot
         served.next()
         idle = [socket.create_connection(("127.0.0.1", served.rx.streams.port), timeout=5) for _ in range(6)]
-        assert sum(s.recv(1) == stream_open.BUSY for s in idle[4:]) == 2  # past the cap: told at once
+        for s in idle:
+            s.sendall(b"P")  # half an opening, held for its 30 s deadline
+        assert sum(s.recv(1) == stream_open.BUSY for s in idle[:2]) == 2  # past the cap: the oldest cut
+        assert served.metrics.refusals["stream_busy"] == 2
         assert tx.migrate(src, "a", "second", 2).request_id == "second"  # the open stream still works
         served.next()
-        tx2 = ZmqSender(src.storage.layout.fingerprint(), config)
-        try:
-            with pytest.raises(E.TransportClosed, match="connection limit") as info:
-                tx2.migrate(src, "a", "third", 3, dedupe=False)
-            assert "token" not in str(info.value)
+        sent = TransferMetrics()
+        tx2 = ZmqSender(src.storage.layout.fingerprint(), config, metrics=sent)
+        try:  # every opening slot is held, yet a sender with its token opens a stream (issue 49)
+            assert tx2.migrate(src, "a", "third", 3, dedupe=False).request_id == "third"
+            assert served.next().request_id == "third"
+            assert tx2.channel.stream.sock is not None and sent.counters["data_stream_fallbacks"] == 0
         finally:
             tx2.close()
     finally:
@@ -184,7 +192,7 @@ def test_case3_unauthenticated_openings_have_their_own_cap(gen, monkeypatch):
 
 def test_case9_idle_connections_without_a_handshake_are_closed_and_forgotten(gen):
     src, served = _source(gen), Served(pool(), secret=SECRET, preauth_s=0.5)
-    silent, chatty = Raw(served.rx.address), Raw(served.rx.address)
+    silent, chatty = Raw(served.rx.address, SECRET), Raw(served.rx.address, SECRET)
     tx = ZmqSender(src.storage.layout.fingerprint(), TransportConfig(address=served.rx.address,
                                                                       secret=SECRET))
     try:
@@ -209,7 +217,7 @@ def test_case9_idle_connections_without_a_handshake_are_closed_and_forgotten(gen
 
 def test_case10_refusals_are_counted_and_logged_at_a_bounded_rate(gen, caplog):
     served = Served(pool(), secret=SECRET)
-    raw = Raw(served.rx.address)
+    raw = Raw(served.rx.address, SECRET)
     caplog.set_level(logging.WARNING, logger="transfer.refusals")
     try:
         for _ in range(50):
@@ -233,7 +241,7 @@ def test_case8_a_hello_is_bound_to_its_receiver_and_the_reply_is_signed(gen):
     d1 = Served(pool(), secret=SECRET, peer_name="decode-1")
     to0 = TransportConfig(address=d0.rx.address, secret=SECRET, peer_name="prefill-0", receiver="decode-0")
     captured = encode(make_hello(src.storage.layout.fingerprint(), to0))
-    r0, r1, r1b = Raw(d0.rx.address), Raw(d1.rx.address), Raw(d1.rx.address)
+    r0, r1, r1b = Raw(d0.rx.address, SECRET), Raw(d1.rx.address, SECRET), Raw(d1.rx.address, SECRET)
     try:
         r0.send(b"H", captured)
         assert r0.reply()[1]["kind"] == "hello_ok"  # meant for decode-0: accepted there

@@ -36,6 +36,7 @@ import torch
 
 from transfer.errors import MalformedMessage, TransferError
 from transfer.messages import PoolOffer
+from transfer.nixl_api import cluster_host
 from transfer.nixl_pool import NixlAgent, Region
 from transfer.pull import register_source
 
@@ -59,12 +60,14 @@ class NixlAdvert:
 
     way = "nixl"
 
-    def __init__(self, storage):
-        self.storage, self.agent, self.region = storage, None, None  # the agent: at the first offer
+    def __init__(self, storage, host: str = ""):
+        """host: the receiver's, in the cluster: the agent listens only on the interface reaching it."""
+        self.storage, self.host = storage, host
+        self.agent, self.region = None, None  # made at the first offer
 
     def offer(self) -> PoolOffer:
         if self.agent is None:
-            self.agent = NixlAgent(_name("sender"))
+            self.agent = NixlAgent(_name("sender"), self.host)
             self.region = self.agent.register(_pool_tensor(storage=self.storage))
         wire = {"meta": self.agent.metadata(), "region": self.region.to_wire()}
         blob = msgpack.packb(wire, use_bin_type=True)
@@ -92,7 +95,7 @@ class NixlSource:
     """Receiver side: the sender's region, read by an agent of this connection's own that has
     registered this receiver's pool."""
 
-    def __init__(self, blob: bytes, storage):
+    def __init__(self, blob: bytes, storage, host: str = ""):
         try:
             wire = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_ext_len=0)
             if type(wire) is not dict or set(wire) != {"meta", "region"} or type(wire["meta"]) is not bytes:
@@ -100,7 +103,7 @@ class NixlSource:
             self.remote = Region.from_wire(wire["region"])
         except (ValueError, TypeError) as e:  # msgpack's own errors
             raise MalformedMessage(f"a garbled NIXL pool offer: {type(e).__name__}") from None
-        self.agent = NixlAgent(_name("receiver"))
+        self.agent = NixlAgent(_name("receiver"), host)  # listening only where the cluster reaches it
         try:
             self.local = self.agent.register(_pool_tensor(storage))
             self.base = self.local.addr
@@ -167,12 +170,14 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
 
     if pool is None:
         raise ValueError("the nixl transport needs the sending worker's pool")
-    return ZmqSender(fingerprint, config, faults=faults, advert=NixlAdvert(pool))
+    advert = NixlAdvert(pool, cluster_host(config.address))
+    return ZmqSender(fingerprint, config, faults=faults, advert=advert)
 
 
 def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
     """A ZeroMQ receiver; NIXL pool offers are read since this module registered its way."""
     from transfer.zmq_receiver import make_receiver as zmq_receiver
 
-    NixlAgent(_name("probe")).close()  # NixlUnavailable here, at start, rather than at the first offer
+    # NixlUnavailable here, at start, rather than at the first offer
+    NixlAgent(_name("probe"), cluster_host(config.address)).close()
     return zmq_receiver(manager, config, admission=admission, port_min=port_min, port_max=port_max)

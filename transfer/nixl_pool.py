@@ -57,12 +57,14 @@ class NixlAgent:
     Use from one thread. `close()` (idempotent) releases every handle, deregisters, forgets every peer
     and destroys the agent; every other method raises TransportClosed afterwards."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, host: str = ""):
+        """host: this side's peer's (or its own) address in the cluster: UCX listens only on the
+        interface that reaches it (`nixl_api.ucx_net_devices`); "": on every interface."""
         if not isinstance(name, str) or not name:
             raise ValueError("agent name must be a non-empty str")
         api = _nixl_api()
         self.name = name
-        self._agent = _new_agent(api, name)
+        self._agent = _new_agent(api, name, host)
         if "UCX" not in self._agent.backends:
             raise NixlUnavailable(f"nixl has no UCX backend plugin here; {INSTALL_HINT}")
         self._regions: dict[Region, tuple[object, object]] = {}  # region -> (tensor kept alive, reg dlist)

@@ -46,13 +46,14 @@ def register_source(way: str, opener) -> None:
     SOURCES[way] = opener
 
 
-def open_source(offer: PoolOffer, storage):
-    """The source for `offer` on this receiver (its pool: `storage`); MalformedMessage when the way
-    is unknown here or the offer cannot be opened (another node's file, a garbled blob)."""
+def open_source(offer: PoolOffer, storage, host: str = ""):
+    """The source for `offer` on this receiver (its pool: `storage`; `host`: its address in the
+    cluster, for a way that listens on the network); MalformedMessage when the way is unknown here
+    or the offer cannot be opened (another node's file, a garbled blob)."""
     opener = SOURCES.get(offer.kind)
     if opener is None:
         raise MalformedMessage(f"no pool reader {offer.kind[:16]!r} here")
-    return opener(offer.blob, storage)
+    return opener(offer.blob, storage, host)
 
 
 def drop_source(owner) -> None:
@@ -177,7 +178,7 @@ class ShmSource:
 
     hashes = True  # read_many hashes each window as it lands
 
-    def __init__(self, blob: bytes, storage=None):
+    def __init__(self, blob: bytes, storage=None, host: str = ""):  # host: unused (same node)
         try:
             real = os.path.realpath(blob.decode("utf-8", "replace"))
             st = os.stat(real)  # FileNotFoundError: another node's file

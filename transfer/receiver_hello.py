@@ -14,6 +14,7 @@ from transfer.admission import refused
 from transfer.codec import decode
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
 from transfer.messages import Held, HelloReply, PoolOffer, PoolReply, Query
+from transfer.nixl_api import cluster_host
 from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
 from transfer.refusals import as_refusal
@@ -81,7 +82,7 @@ class HandshakeMixin:
             self._refuse(ident, b"u", e)
         drop_source(peer)
         try:
-            peer.source = open_source(offer, self.manager.storage)
+            peer.source = open_source(offer, self.manager.storage, cluster_host(self.config.address))
             reply = PoolReply(True)
         except MalformedMessage as e:  # another node's file, a way this receiver lacks: bytes are pushed
             peer.source, reply = None, PoolReply(False, str(e)[:200])

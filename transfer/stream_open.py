@@ -2,8 +2,13 @@
 connections wait in the accept thread's selector, never on a thread of their own, at most
 `MAX_OPENING` at once (apart from the `MAX_STREAMS` slots of opened streams), and each has one
 total deadline (`TransportConfig.stream_open_s`, about a second) for its whole opening message,
-however slowly its bytes trickle in. A connection refused for capacity is told so with one byte
-(`BUSY`) before it is closed, so its sender does not blame its token.
+however slowly its bytes trickle in. A connection is read as soon as it is accepted: a sender
+holding a token writes its whole 24-byte opening right after connecting, so it is usually
+served without waiting at all. When every opening slot is taken, the oldest opening is cut to
+make room for the new connection (issue 49: turning the new one away let a flood of half-finished
+connections, re-opened as fast as they were cut, keep every genuine sender out; the one waiting
+longest is the least likely to be a sender with its token). A connection cut for capacity is
+told so with one byte (`BUSY`) before it is closed, so its sender does not blame its token.
 """
 
 from __future__ import annotations
@@ -38,20 +43,30 @@ class Opening:
         return len(self.buf) == OPEN.size
 
 
-def accept(listener: socket.socket, sel, openings: dict, open_s: float, refusals) -> None:
-    """A new connection waits for its opening message in the selector, if there is room."""
+def accept(listener: socket.socket, sel, openings: dict, open_s: float, refusals) -> Opening | None:
+    """A new connection waits for its opening message in the selector (`openings`, oldest first),
+    the oldest opening cut when all MAX_OPENING slots are taken. Returns it (None: accept failed)."""
     import selectors
 
     try:
         conn, _ = listener.accept()
     except OSError:
-        return
+        return None
     if len(openings) >= MAX_OPENING:
-        refusals.refuse("stream_busy", f"{len(openings)} connections already opening")
-        return turn_away(conn, BUSY)
+        oldest = next(iter(openings.values()))
+        forget(sel, openings, oldest)
+        refusals.refuse("stream_busy", f"{len(openings) + 1} connections opening: the oldest was cut")
+        turn_away(oldest.conn, BUSY)
     conn.setblocking(False)
-    openings[conn] = Opening(conn, time.monotonic() + open_s)
+    op = openings[conn] = Opening(conn, time.monotonic() + open_s)
     sel.register(conn, selectors.EVENT_READ)
+    return op
+
+
+def forget(sel, openings: dict, op: Opening) -> None:
+    """`op` leaves the selector and the openings (its connection is the caller's to close or keep)."""
+    sel.unregister(op.conn)
+    del openings[op.conn]
 
 
 def turn_away(conn: socket.socket, answer: bytes = b"") -> None:

@@ -24,7 +24,7 @@ import time
 from transfer.checksum import hasher
 from transfer.errors import FrameCountError, FrameSizeError, TransferError, TransferTimeout, TransportClosed
 from transfer.metrics import TransferMetrics
-from transfer.stream_open import BUSY, OPENED, Opening, accept, expired, turn_away
+from transfer.stream_open import BUSY, OPENED, Opening, accept, expired, forget, turn_away
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_hashed
 from transfer.wakeup import Wakeup
 
@@ -33,6 +33,8 @@ from transfer.wakeup import Wakeup
 # partial reads of its large messages were several times slower
 TCP_WINDOW = 256 << 10
 MAX_STREAMS = 256  # opened streams (token checked) at once; more are refused
+LISTEN_BACKLOG = 1024  # connections the kernel queues for accept (capped by net.core.somaxconn): a
+# connection flood that fills a short queue makes a sender's connect wait for a SYN retransmit
 
 
 class Landing:
@@ -68,7 +70,7 @@ class StreamListener:
         if s.family != socket.AF_UNIX:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(where)
-        s.listen(64)
+        s.listen(LISTEN_BACKLOG)
         s.settimeout(0.2)  # the accept loop checks for close this often
         self.listeners.append(s)
         return s
@@ -152,26 +154,30 @@ class StreamListener:
                         known.add(s)
                 wait = min([0.2] + [op.deadline - time.monotonic() for op in openings.values()])
                 for key, _ in sel.select(max(0.0, wait)):
-                    if key.fileobj in known:
-                        accept(key.fileobj, sel, openings, self.config.stream_open_s, self.refusals)
-                        continue
-                    op = openings[key.fileobj]
-                    done = op.read()
-                    if done is not False:
-                        sel.unregister(op.conn)
-                        del openings[op.conn]
-                        if done:
-                            self._opened(op.conn, bytes(op.buf))
-                        else:
-                            self._drop(op.conn, "closed before its opening message")
+                    if key.fileobj in known:  # read at once: a sender's opening is usually there already
+                        op = accept(key.fileobj, sel, openings, self.config.stream_open_s, self.refusals)
+                    else:
+                        op = openings.get(key.fileobj)  # None: cut for room earlier in this round
+                    if op is not None:
+                        self._read_opening(sel, openings, op)
                 for op in expired(openings):
-                    sel.unregister(op.conn)
-                    del openings[op.conn]
+                    forget(sel, openings, op)
                     self._drop(op.conn, f"no opening in {self.config.stream_open_s}s")
         finally:
             for conn in openings:
                 turn_away(conn)
             sel.close()
+
+    def _read_opening(self, sel, openings: dict, op: Opening) -> None:
+        """Read what arrived of `op`'s opening; once it is whole (or the peer left), it is served."""
+        done = op.read()
+        if done is False:
+            return
+        forget(sel, openings, op)
+        if done:
+            self._opened(op.conn, bytes(op.buf))
+        else:
+            self._drop(op.conn, "closed before its opening message")
 
     def _drop(self, conn: socket.socket, why: str) -> None:
         self.refusals.refuse("stream_open", why)

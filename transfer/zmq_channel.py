@@ -1,9 +1,11 @@
 """The ZeroMQ channel, sending side: how a `transfer.session.SenderSession` reaches a `ZmqReceiver`.
 
 A DEALER socket connected to the receiver carries the control messages (wire format:
-`transfer.wire`); payloads go on the raw data stream the receiver offers in its hello reply
+`transfer.wire`), a CURVE client with the cluster's key when the config has a secret
+(`zmq_handshake`); payloads go on the raw data stream the receiver offers in its hello reply
 (`stream_sender.DataStream`, opened with the signed token), or as ZeroMQ messages behind the
-manifest when the payload is at most `inline_bytes` or the data plane is "zmq", or stay where
+manifest when the payload is at most `inline_bytes`, the data plane is "zmq" or the receiver will
+not open the data stream (full or flooded: that transfer falls back, counted), or stay where
 they are when the receiver accepted this side's pool offer (`transfer.pull`: it reads them from
 there). Chunks are sent zero-copy from pool memory or a staging slot; between chunks the channel
 checks whether the receiver already answered (it gave up early), and stops. Every wait is a
@@ -20,14 +22,15 @@ import time
 import zmq
 
 from transfer.codec import decode, encode
-from transfer.errors import TransferError, TransferTimeout
+from transfer.errors import TransferError, TransferTimeout, TransportClosed, Unauthenticated
 from transfer.messages import Nack, PoolReply
 from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
-from transfer.stream_sender import DataStream
+from transfer.stream_sender import FALLBACKS, OPEN_SLACK_S, DataStream
 from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
+from transfer.zmq_handshake import HandshakeWatch, client_keys
 
 # payload messages up to this size are copied into ZeroMQ's own buffer when sent (pyzmq's default:
 # 64 KiB, so a 64 KiB chunk went zero-copy); `python -m bench.small_move`
@@ -63,6 +66,8 @@ class ZmqChannel:
         self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
         self.scheme, self.where = self._where()
         self.connected = False  # a handshake answered on this socket (a reset forgets it)
+        self.watch: HandshakeWatch | None = None  # the socket's ZeroMQ handshake failures (`_open`)
+        self.poller: zmq.Poller | None = None  # the socket and its watch
         self.ctx = self._context()
         self._open()
 
@@ -83,12 +88,22 @@ class ZmqChannel:
         if self.config.socket_buffer_bytes:
             s.setsockopt(zmq.SNDBUF, self.config.socket_buffer_bytes)
             s.setsockopt(zmq.RCVBUF, self.config.socket_buffer_bytes)
+        client_keys(s, self.config.secret)  # a keyed receiver admits only the cluster's CURVE key
+        self.watch = HandshakeWatch(s)
+        self.poller = zmq.Poller()
+        self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self.watch.monitor, zmq.POLLIN)
         s.connect(self.config.address)
+
+    def _close_socket(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        self.sock.close(0)
 
     def reset(self) -> None:
         """A fresh socket (the receiver forgets this connection's handshake) and no data stream."""
         self.connected = False
-        self.sock.close(0)
+        self._close_socket()
         self.close_stream()
         self._open()
 
@@ -99,7 +114,7 @@ class ZmqChannel:
 
     def close(self) -> None:
         self.close_stream()
-        self.sock.close(0)
+        self._close_socket()
         if self.ctx is not None:
             self.ctx.term()
         if self.advert is not None:
@@ -117,13 +132,27 @@ class ZmqChannel:
         self.metrics.add("stray_replies")
         return None
 
+    def _readable(self, timeout_ms: int) -> bool:
+        """Whether a reply is queued within `timeout_ms`; Unauthenticated (and a reset) as soon as
+        the socket's ZeroMQ handshake fails (`zmq_handshake`)."""
+        if self.poller is None:
+            return bool(self.sock.poll(timeout_ms))
+        ready = dict(self.poller.poll(timeout_ms))
+        failed = self.watch.failure() if self.watch.monitor in ready else None
+        if failed is not None:
+            self.reset()
+            raise Unauthenticated(f"{self.config.address}: {failed}")
+        return self.sock in ready
+
     def wait(self, headers: tuple[bytes, ...], deadline: float, what: str) -> bytes:
         """The body of the next reply under one of `headers`; TransferTimeout (and a reset) at deadline."""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+            if left <= 0:
                 self.reset()
                 raise TransferTimeout(f"no {what} from {self.config.address} within the timeout")
+            if not self._readable(max(1, int(left * 1000))):
+                continue
             got = self.reply(headers)
             if got is not None:
                 return got[1]
@@ -144,7 +173,8 @@ class ZmqChannel:
         self.stream = None
         if reply.data_token and (reply.data_port or reply.data_path) and self.hello_fields()["stream"]:
             at = ("tcp", self.where, reply.data_port) if self.scheme == "tcp" else ("ipc", reply.data_path)
-            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s)
+            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s,
+                                     self.config.stream_open_s + OPEN_SLACK_S)
         self.pull = False
         self.offered = self.advert is None  # the pool is offered at the first whole transfer
 
@@ -215,17 +245,27 @@ class _Transfer:
         self.ack_header = TOKEN.pack(b"A", token)
         self.streamed = streamed
         big = manifest.payload_bytes > ch.config.inline_bytes
-        self.on_stream = ch.stream is not None and (streamed or big)
+        self.on_stream = ch.stream is not None and (streamed or big) and self._stream_opens()
         kind = (b"O" if self.on_stream else b"W") if streamed else b"S" if self.on_stream else b"M"
         try:
-            if self.on_stream:
-                ch.stream.open()  # TransportClosed when it will not open
             for body in bodies:
                 ch.sock.send_multipart([TOKEN.pack(kind, token), body])
         except TransferError:
             ch.reset()
             raise
         self.live = ch.stream.begin(token, manifest.payload_bytes) if self.on_stream else True
+
+    def _stream_opens(self) -> bool:
+        """Open the data stream if it is not open; when the receiver will not take it (its slots
+        are full, it is flooded: issue 49) the transfer goes on the control socket instead,
+        counted (`data_stream_fallbacks`) and logged at a bounded rate."""
+        try:
+            self.ch.stream.open()
+            return True
+        except TransportClosed as e:
+            self.ch.metrics.add("data_stream_fallbacks")
+            FALLBACKS.note(f"{self.ch.config.address}: {e}; this transfer goes on the control socket")
+            return False
 
     def answered(self) -> bool:
         """An early verdict (the receiver gave up) is waiting, or the deadline passed: stop sending."""

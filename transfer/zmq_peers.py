@@ -6,7 +6,9 @@ of unauthenticated identities can neither grow memory nor push out a real sender
 `IdleConnections` closes the connections themselves: it follows the ROUTER's accepted and closed
 connections through a socket monitor and shuts down, below ZeroMQ, every one that has not
 completed a handshake `preauth_s` after it was accepted (ZeroMQ has no call to drop one peer of a
-ROUTER; a shut-down socket is closed by its I/O thread as if the peer had hung up).
+ROUTER; a shut-down socket is closed by its I/O thread as if the peer had hung up). It also counts
+the connections libzmq itself dropped in its handshake (a peer without the cluster's CURVE key:
+`zmq_receiver`) as "curve" refusals.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from transfer.pull import drop_source
+from transfer.zmq_handshake import describe
 
 MAX_PEERS = 4096      # connections with a completed handshake whose state is kept
 MAX_STRANGERS = 1024  # connections without one
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class Peer:
@@ -103,7 +108,7 @@ class IdleConnections:
 
     def __init__(self, sock, bound_s: float, refusals):
         self.sock, self.bound_s, self.refusals = sock, bound_s, refusals
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.pending: dict[int, tuple[float, object]] = {}  # fd -> (accepted at, its peer address)
         self.trust: dict[int, object] = {}  # fd -> address of the last handshaken connection on it
         self.next_sweep = 0.0
@@ -140,7 +145,9 @@ class IdleConnections:
             except (zmq.ZMQError, ValueError):
                 continue
             fd = event["value"]
-            if event["event"] == zmq.EVENT_ACCEPTED:
+            if event["event"] & HANDSHAKE_FAILED:  # its value is an error code; a disconnect follows
+                self.refusals.refuse("curve", f"ZeroMQ handshake failed: {describe(event)}")
+            elif event["event"] == zmq.EVENT_ACCEPTED:
                 self.pending[fd] = (time.monotonic(), _peer_of(fd))
             else:  # `trust` keeps its entry: the address tells a reused descriptor apart
                 self.pending.pop(fd, None)

@@ -4,7 +4,10 @@ in the reserved blocks from the data stream's reader threads (`stream_receiver`)
 ones and data_plane "zmq", from this socket. A failed transfer is aborted (reservation
 released), nacked, counted, and its error raised from `poll`. A peer without a completed
 handshake gets nothing but its hello read, and its connection is closed after `preauth_s`
-(`transfer.zmq_peers`).
+(`transfer.zmq_peers`). With a cluster secret the socket is a CURVE server that admits only the
+key pair derived from it (`protocol.curve.kv_keys`): a peer without the secret never completes
+the ZeroMQ handshake, so libzmq drops it after its 64-byte greeting (or its first handshake
+command) and never buffers a message of its, however many frames it announces (issue 49).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 
 import zmq
 
+from protocol.curve import kv_keys, serve_curve
 from transfer.importer import ImportResult
 from transfer.receiver import MessageReceiver
 from transfer.refusals import Refusals
@@ -43,6 +47,12 @@ class ZmqReceiver(MessageReceiver):
             s.setsockopt(zmq.RCVBUF, config.socket_buffer_bytes)
             s.setsockopt(zmq.SNDBUF, config.socket_buffer_bytes)
         s.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_chunk_bytes, config.limits.max_message_bytes) + 64)
+        s.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(config.preauth_s * 1000)))  # ZeroMQ's own handshake
+        self.authenticator = None
+        if config.secret:  # only cluster members complete the ZeroMQ handshake
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self.authenticator = serve_curve(s, kv_keys(config.secret), ThreadAuthenticator)
         s.bind(bind_address(config.address))
         self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = [self.address]
@@ -112,6 +122,8 @@ class ZmqReceiver(MessageReceiver):
             self.streams.close()
         self.idle.close()
         self.sock.close(0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.term()
         self.wakeup.close()
         for endpoint in self._bound:  # ZeroMQ leaves ipc:// socket files behind
