@@ -87,15 +87,16 @@ def private_token() -> str | None:
     return path
 
 
-def private_temp_dir() -> str:
-    """Ray's temp folder for the embedded local Ray: `ray` inside {tmp}/pdserve-ray-{uid}, a folder
+def private_temp_dir(base: str | None = None) -> str:
+    """Ray's temp folder for the embedded local Ray: `ray` inside {base}/pdserve-ray-{uid} (base
+    None: the system's temp folder, $TMPDIR or /tmp), a folder
     this user alone can enter (created 0700; refused when it is someone else's or open to others).
     Ray makes its own folders 0777 without the sticky bit (sessions, logs, sockets): the private
     parent keeps other local users out of them. NOTE: Unix socket paths inside it must stay under
     107 bytes, so the folder stays short (not under ~/.cache)."""
     from runtime.model_store import open_private_dir
 
-    root = os.path.join(tempfile.gettempdir(), f"pdserve-ray-{os.geteuid()}")
+    root = os.path.join(base or tempfile.gettempdir(), f"pdserve-ray-{os.geteuid()}")
     os.close(open_private_dir(root, what="Ray temp folder", hint="set TMPDIR to a private directory"))
     return os.path.join(root, "ray")
 
