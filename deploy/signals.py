@@ -5,15 +5,17 @@ records that a stop was asked for and, while an asyncio task is attached (the wo
 the handshakes, the HTTP bind, serving), cancels that task from the event loop. Ray's own start
 (`ray.init`, a few seconds of spawning its processes) is left to finish, because an exception
 thrown into it can leave processes started and not yet recorded; the caller checks `requested`
-right after and shuts that Ray down at once. Every wait stays bounded: Ray's start has its own
-timeout, the workers' start `start_timeout_s`.
+right after and shuts that Ray down at once. `ray_keeps_our_handlers` stops `ray.init` from
+putting its own SIGTERM handler (exit at once, status 1) in place of ours meanwhile. Every wait
+stays bounded: Ray's start has its own timeout, the workers' start `start_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -29,7 +31,8 @@ class StopSignals:
         self._task: asyncio.Task | None = None
 
     def install(self) -> None:
-        """Handle the stop signals here (again: `ray.init` replaces the SIGTERM handler)."""
+        """Handle the stop signals here (again after `ray.init`: Ray's core worker puts its crash
+        handler, which dumps a stack trace on SIGTERM, in front of ours)."""
         for sig in STOP_SIGNALS:
             previous = signal.signal(sig, self._handle)
             self._saved.setdefault(sig, previous)
@@ -60,3 +63,23 @@ class StopSignals:
             # NOTE: a signal handler runs between two bytecodes of the main thread, possibly inside
             # the loop's own code: the cancel is queued through the loop's thread-safe door
             loop.call_soon_threadsafe(task.cancel)
+
+
+@contextlib.contextmanager
+def ray_keeps_our_handlers() -> Iterator[None]:
+    """While inside, Ray's `set_sigterm_handler` (called by `ray.init` and by the local node it
+    starts) leaves the handler in place. NOTE: Ray looks the function up on its module at each
+    call, so replacing the module's attribute is enough; Ray's atexit hook still stops what it
+    started if this process exits."""
+    from ray._private import utils
+
+    saved = utils.set_sigterm_handler
+    utils.set_sigterm_handler = _leave_handler
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = saved
+
+
+def _leave_handler(handler) -> None:
+    """Ray's handler, not installed."""

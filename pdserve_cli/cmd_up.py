@@ -137,6 +137,7 @@ def _run(args, signals) -> int:
     from coordinator.http import HTTPConfig
     from deploy import preflight
     from deploy.launch import RayConfig, serve_cluster, start_ray, stop_ray
+    from deploy.signals import ray_keeps_our_handlers
 
     try:
         device, api_key = getattr(args, "device", None), api_key_args.resolve(args)
@@ -175,7 +176,8 @@ def _run(args, signals) -> int:
             preflight.check_model(cfg.decode_model, "decode_model")
         preflight.check_address(args.address)
     except (TypeError, ValueError) as e:  # PreflightError is a ValueError
-        return _fail(str(e).splitlines()[0])
+        # a Ctrl-C in a terminal also stops the model check's child process: that is not the model's fault
+        return _stopped() if signals.requested else _fail(str(e).splitlines()[0])
 
     def ready(port: int, backend) -> None:
         what = (f"{args.colocated} colocated worker(s)" if args.colocated else
@@ -200,8 +202,9 @@ def _run(args, signals) -> int:
     started = False
     try:
         # NOTE: a stop signal during Ray's start is held until it is up (deploy.signals), then honoured
-        started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
-        signals.install()  # again: ray.init put its own SIGTERM handler in place of ours
+        with ray_keeps_our_handlers():
+            started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
+        signals.install()  # again: Ray's core worker wrapped ours in its crash handler (a stack dump)
         if not signals.requested:
             asyncio.run(main())
     except OSError as e:
