@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import urllib.request
 import uuid
 
 import pytest
+from marked_processes import kill_marked, marked
 
 pytest.importorskip("ray")
 
@@ -35,7 +37,8 @@ def run_env():
     marker = f"PDSERVE_TEST_RUN={uuid.uuid4().hex}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp, marker.split("=")[0]: marker.split("=")[1]}
     yield env, marker
-    subprocess.run(["rm", "-rf", tmp], check=False)
+    kill_marked(marker)  # a failed test's leftovers (a passing test has none: it checks)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Up:
@@ -83,24 +86,11 @@ class Up:
             self.proc.wait(30)
 
 
-def _run_processes(marker: str) -> list[int]:
-    """Processes carrying the run's marker in their environment: `up` and every Ray process it started."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:  # gone meanwhile, or not ours
-            pass
-    return found
-
-
 def _assert_nothing_left(proc: subprocess.Popen, marker: str) -> None:
     deadline = time.monotonic() + 30  # Ray's processes exit asynchronously after its shutdown
-    while (_run_processes(marker) or _group_alive(proc.pid)) and time.monotonic() < deadline:
+    while (marked(marker) or _group_alive(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _run_processes(marker) == [], "processes started by pdserve up are still running"
+    assert marked(marker) == [], "processes started by pdserve up are still running"
     assert not _group_alive(proc.pid), "processes of pdserve up's process group are still running"
 
 
@@ -123,7 +113,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(run_env):
             out = json.loads(r.read())
         assert len(out["choices"][0]["token_ids"]) == 4 and out["model"] == "my-model"
         assert out["pdserve"]["backend"]["migration"]["transport"] == "zmq"
-        assert _run_processes(marker), "the marker should be in the run's processes"
+        assert marked(marker), "the marker should be in the run's processes"
         up.proc.send_signal(signal.SIGTERM)
         assert up.finish() == 0, up.seen
         assert "pdserve up: stopped" in up.seen

@@ -7,18 +7,19 @@ what to set on which side, before any worker is placed."""
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 
 import pytest
 
 ray = pytest.importorskip("ray")
+
+from marked_processes import kill_marked  # noqa: E402
 
 from deploy import ray_guard  # noqa: E402
 from runtime.model_store import ModelStoreError  # noqa: E402
@@ -33,7 +34,7 @@ def short_tmp():
     bytes, so not pytest's long tmp_path)."""
     tmp = tempfile.mkdtemp(prefix="p", dir="/tmp")
     yield tmp
-    subprocess.run(["rm", "-rf", tmp], check=False)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture
@@ -91,34 +92,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _marked(marker: str) -> list[int]:
-    """Processes whose environment carries `marker` (those a `ray start` of this test left running)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
-
-
-def _stop_marked(marker: str) -> None:
-    """End exactly the processes of this test's Ray head, its agents included (never `ray stop`: it
-    stops every Ray of the user on the machine). SIGKILL: its GCS and raylet take seconds over a
-    SIGTERM, and nothing of this throwaway cluster needs a graceful end."""
-    deadline = time.monotonic() + 30
-    while (left := _marked(marker)) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    assert _marked(marker) == []
-
-
 @pytest.fixture
 def head_without_token_auth(short_tmp):
     """`ray start --head` on loopback with RAY_AUTH_MODE=disabled (a cluster without token auth)."""
@@ -132,7 +105,7 @@ def head_without_token_auth(short_tmp):
         assert out.returncode == 0, out.stdout + out.stderr
         yield f"127.0.0.1:{port}"
     finally:
-        _stop_marked(marker)
+        assert kill_marked(marker) == []  # SIGKILL: nothing of this throwaway head needs a graceful end
 
 
 def test_up_joining_a_cluster_without_token_auth_says_what_to_set_on_which_side(head_without_token_auth):
