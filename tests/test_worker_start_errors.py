@@ -24,7 +24,7 @@ def test_a_worker_whose_constructor_raises_is_reported_with_that_exception(ray_l
     msg = str(e.value)
     assert msg.startswith("a worker failed to start: ") and "\n" not in msg
     assert "prefill-0: " in msg or "decode-0: " in msg
-    assert f"engine.gguf.GGUFError: {fake} is not a readable GGUF file: no GGUF magic" in msg
+    assert f"gguf.GGUFError: {fake} is not a readable GGUF file: no GGUF magic" in msg  # the type, qualified
     assert "\x1b[" not in msg and "The actor died" not in msg
     assert backend.workers == {}
 
