@@ -192,3 +192,10 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_bad_setting_in_the_config_file_is_refused_before_ray_starts(run_env, tmp_path):
+    config = tmp_path / "up.yaml"
+    config.write_text("routing: bogus\n")
+    said = _fails_before_ray(["--model", "tiny", "--port", "0", "--config", str(config)], run_env[0])
+    assert "routing policy must be one of" in said and "'bogus'" in said
