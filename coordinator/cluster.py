@@ -23,6 +23,7 @@ import asyncio
 import collections
 import logging
 import uuid
+from collections.abc import Callable
 
 from coordinator.admission import AdmissionMixin
 from coordinator.bounded import bounded
@@ -54,7 +55,9 @@ log = logging.getLogger(__name__)
 class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin):
     """Prefill + decode actors behind the backend contract (see coordinator.backend)."""
 
-    def __init__(self, config: ClusterConfig | None = None, metrics: Metrics | None = None):
+    def __init__(self, config: ClusterConfig | None = None, metrics: Metrics | None = None,
+                 progress: Callable[[str], None] | None = None):
+        """progress: told one line per phase of `start` (workers starting, handshakes), e.g. to print."""
         config = config or ClusterConfig()
         validate_transport(config.transport)  # ValueError naming the registered transports
         if config.colocated < 0:
@@ -64,6 +67,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         self.colocated = config.colocated > 0
         self.roles = ROLES_COLOCATED if self.colocated else ROLES_DISAGGREGATED
         self.config, self.metrics = config, metrics or Metrics()
+        self.progress = progress or _quiet
         self.decide_config = DecideConfig(config.disaggregate, config.local_prefill_max_tokens,
                                           config.local_prefill_max_waiting, config.prefill_ms_per_token)
         self._paths: dict[str, Decision] = {}        # request id -> where its prompt is prefilled, and why
@@ -258,6 +262,10 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _quiet(text: str) -> None:
+    """The default progress: say nothing."""
 
 
 def _capabilities(transport: str) -> dict:

@@ -24,7 +24,7 @@ import time
 from coordinator.bounded import bounded
 from coordinator.drain import DrainMixin
 from coordinator.protocol import ServiceUnavailable
-from coordinator.workers import call, command, spawn_worker, spawn_workers
+from coordinator.workers import actor_error_text, call, command, spawn_worker, spawn_workers
 from protocol.curve import ClusterKeys
 from protocol.messages import Connect, Describe
 
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 class LifecycleMixin(DrainMixin):
     """Needs from the host class: config, colocated, workers, routers, ledger, reconciler, metrics,
-    namespace, tokenizer, _pull, _reader, _monitor_task, _tasks, _lost, _replacing, _restarts, _joining,
-    _requests, _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
+    progress, namespace, tokenizer, _pull, _reader, _monitor_task, _tasks, _lost, _replacing, _restarts,
+    _joining, _requests, _read_reports, _monitor, _role (see coordinator.cluster.ClusterBackend)."""
 
     async def start(self):
         from model_files.tokenizer import load_tokenizer
@@ -49,19 +49,27 @@ class LifecycleMixin(DrainMixin):
         self._published = self._publish_models()
         self.workers.update(spawn_workers(c, self._pull.address, self.namespace, self._kv_host(),
                                           self._published, self.keys))
+        roles = [f"{c.colocated} colocated"] if self.colocated else [f"{c.prefill} prefill",
+                                                                     f"{c.decode} decode"]
+        self.progress(f"starting {' + '.join(roles)} worker(s): each loads the model "
+                      f"(at most {c.start_timeout_s:g}s)")
         try:
             infos = await bounded(asyncio.gather(
                 *(self._describe(worker) for worker in self.workers.values())), c.start_timeout_s)
             if not self.colocated:
+                self.progress("handshakes: every prefill worker checks it can hand KV to every decode worker")
                 for p in self._role("prefill"):
                     for d in self._role("decode"):
                         await self._handshake(p, d)
             await self._first_report(list(self.workers.values()), time.monotonic() + c.start_timeout_s)
         except asyncio.TimeoutError:
-            await self.aclose()
+            await self.aclose(graceful=False)
             raise RuntimeError(f"workers did not start within {c.start_timeout_s}s") from None
+        except asyncio.CancelledError:  # stopped while starting (Ctrl-C): nothing was served yet
+            await self.aclose(graceful=False)
+            raise
         except Exception as e:
-            await self.aclose()
+            await self.aclose(graceful=False)
             raise RuntimeError(f"a worker failed to start: {e}") from None
         first = infos[0]  # every worker serves the same model (the handshakes enforce it)
         self.max_context, self.vocab_size = first.max_context, first.vocab_size
@@ -114,7 +122,14 @@ class LifecycleMixin(DrainMixin):
                                f"{c.gpus_per_worker:g}) but the Ray cluster has {have:g}")
 
     async def _describe(self, worker):
-        info = await command(worker, Describe(), self.config.start_timeout_s)
+        """Wait for the worker's constructor and take its description; a worker that failed to
+        start raises RuntimeError naming it and its constructor's own exception."""
+        try:
+            info = await command(worker, Describe(), self.config.start_timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise RuntimeError(f"{worker.name}: {actor_error_text(e)}") from None
         worker.address, worker.block_size, worker.model = info.address, info.block_size, info.model
         worker.info = {"device": info.device, "node_id": info.node_id, "node_address": info.node_address,
                        "pid": info.pid, "model_source": info.model_source, "threads": info.threads,
@@ -216,14 +231,18 @@ class LifecycleMixin(DrainMixin):
         timeout = self.config.heartbeat_timeout_s
         return [w for w in self._role(role) if w.alive(timeout) and w.name not in self._lost]
 
-    async def aclose(self) -> None:
+    async def aclose(self, graceful: bool = True) -> None:
+        """Stop the workers: each is asked to shut down (bounded), then killed. graceful=False
+        kills at once: a start that failed or was stopped, where a worker may still be inside
+        its constructor (a shutdown call would wait for that) and holds no request."""
         import ray
 
         for worker in self.workers.values():
-            try:
-                await call(worker.handle.shutdown.remote(), self.config.call_timeout_s)
-            except Exception:  # dead or stuck: killing it below frees it anyway
-                pass
+            if graceful:
+                try:
+                    await call(worker.handle.shutdown.remote(), self.config.call_timeout_s)
+                except Exception:  # dead or stuck: killing it below frees it anyway
+                    pass
             ray.kill(worker.handle, no_restart=True)
         self.workers.clear()
         for task in (self._reader, self._monitor_task, *self._tasks):

@@ -12,6 +12,7 @@ actors (prefill_worker/, decode_worker/).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +44,28 @@ def actor_died(error: BaseException) -> bool:
     from ray.exceptions import ActorDiedError
 
     return isinstance(error, ActorDiedError)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")        # colour codes Ray puts in a remote task's text
+_FRAME = re.compile(r'^\s*File ".*", line \d+')      # a traceback frame's first line
+
+
+def actor_error_text(error: BaseException) -> str:
+    """Why a worker actor failed, in one line without colour codes. For an exception raised in its
+    constructor that is the exception's own type and message: Ray hands it back only as text, an
+    ActorDiedError that begins "The actor died because of an error raised in its creation task"
+    and carries the remote traceback, whose last lines after the last frame are "Type: message".
+    Anything else: the error's type and its unindented lines."""
+    lines = _ANSI.sub("", str(error)).splitlines()
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    if frames:
+        rest = lines[frames[-1] + 1:]
+        while rest and rest[0][:1].isspace():  # the frame's source line and its ^^^ markers
+            rest.pop(0)
+        if rest:
+            return " ".join(line.strip() for line in rest if line.strip())
+    said = " ".join(line.strip() for line in lines if line.strip() and not line[:1].isspace())
+    return f"{type(error).__name__}: {said}" if said else type(error).__name__
 
 
 @dataclass

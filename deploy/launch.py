@@ -3,8 +3,9 @@ worker actors (through `ClusterBackend`) and the HTTP API, and shutting down exa
 started.
 
 `start_ray` / `stop_ray` bracket Ray itself (stop only shuts down a Ray we started). The local
-embedded Ray listens on loopback only and both it and a joined cluster use Ray's token
-authentication by default (deploy.ray_guard says how, and how the token is provided).
+embedded Ray listens on loopback only, keeps its files in a private temp folder, and both it and
+a joined cluster use Ray's token authentication by default; a joined cluster whose auth mode
+differs is refused with what to set (deploy.ray_guard says how, and how the token is provided).
 `serve_cluster` is the coroutine `pdserve up` runs until cancelled; `ClusterServer` runs the
 same thing on a background thread with its own event loop, for tests and the demo.
 """
@@ -49,14 +50,19 @@ def start_ray(config: RayConfig = RayConfig()) -> bool:
     mode = ray_guard.auth_mode(config.auth)
     if config.address and mode == "token":
         ray_guard.require_token(config.address)
+    if config.address:
+        ray_guard.check_cluster_auth(config.address, mode)
+    if mode == "token":
+        ray_guard.private_token()
     with contextlib.ExitStack() as stack:
         stack.enter_context(ray_guard.auth_env(mode))
         if config.address:
             ray.init(address=config.address, log_to_driver=config.log_to_driver)
         else:  # NOTE: address="local" starts a new instance, never joins another (or a dead) session
+            temp_dir = ray_guard.private_temp_dir()
             with ray_guard.loopback_node():
                 ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
-                         log_to_driver=config.log_to_driver)
+                         log_to_driver=config.log_to_driver, _temp_dir=temp_dir)
             ray_guard.check_loopback()
         _session.push(stack.pop_all())
     return True
@@ -71,15 +77,16 @@ def stop_ray(started: bool) -> None:
         _session.close()
 
 
-async def serve_cluster(cluster_config, host: str = "127.0.0.1", port: int = 8000, ready=None,
+async def serve_cluster(backend, host: str = "127.0.0.1", port: int = 8000, ready=None,
                         http_config=None) -> None:
-    """Start the workers and the HTTP API; serve until cancelled; then stop both (actors killed)."""
-    from coordinator.cluster import ClusterBackend
+    """Start the workers of `backend` (a ClusterBackend, not started) and the HTTP API; serve until
+    cancelled; then stop both (actors killed). Each phase is told to the backend's progress."""
     from coordinator.http import HTTPConfig, make_app, start_server
 
-    backend = await ClusterBackend(cluster_config).start()
+    await backend.start()
     try:
         app = make_app(backend, http_config or HTTPConfig(host=host, port=port), metrics=backend.metrics)
+        backend.progress(f"binding the HTTP API on {host}:{port}")
         runner, bound = await start_server(app, host, port)
         try:
             if ready is not None:
@@ -112,9 +119,13 @@ class ClusterServer:
             self._ready.set_result(port)
 
         async def main():
+            from coordinator.cluster import ClusterBackend
+
             self._task = asyncio.current_task()
+            config, host, port = self.args
             try:
-                await serve_cluster(*self.args, ready=ready, http_config=self.http_config)
+                await serve_cluster(ClusterBackend(config), host, port, ready=ready,
+                                    http_config=self.http_config)
             except asyncio.CancelledError:
                 pass
             except BaseException as e:

