@@ -53,6 +53,7 @@ class HTTPConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     stall_timeout_s: float = 60.0  # longest wait for the backend's next event before the request fails (504)
     api_key: str | None = None     # bearer token every route but /health requires (None: no auth)
+    admin: bool = False            # without api_key, open the admin routes (drain, scale) anyway
     max_active: int = 256          # completion requests in flight; beyond, 429 with Retry-After
     read_timeout_s: float = 30.0   # longest wait for a request body (a slow client gets 408)
     header_timeout_s: float = 15.0  # a connection must finish its request headers this soon after opening
@@ -306,7 +307,8 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/cluster", _cluster)
-    app.router.add_routes(admin_routes(backend, config.read_timeout_s))  # drain, scale: coordinator.admin
+    # drain, scale: coordinator.admin
+    app.router.add_routes(admin_routes(backend, config.read_timeout_s, bool(config.api_key) or config.admin))
     return app
 
 

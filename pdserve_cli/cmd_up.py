@@ -156,7 +156,8 @@ def run(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         try:
-            http = HTTPConfig(host=args.host, port=args.port, api_key=api_key, **http_extras)
+            http = HTTPConfig(host=args.host, port=args.port, api_key=api_key, admin=args.admin,
+                              **http_extras)
             await serve_cluster(cfg, args.host, args.port, ready=ready, http_config=http)
         except asyncio.CancelledError:
             pass
