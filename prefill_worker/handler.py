@@ -126,7 +126,8 @@ class PrefillHandler(StreamingMixin):
         if rid in self.inflight:
             self.inflight[rid].cancel()
         try:
-            self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid)
+            self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid,
+                                    prefix_key=cmd.prefix_key)
         except Exception as e:  # validated already; a race with the pool
             events.append(RequestFailed(rid, cmd.epoch, "refused", str(e)))
             return
