@@ -43,6 +43,10 @@ REFUSED_LINGER_S = 1.0  # a refused connection is closed this long after its 503
 SWEEP_S = 1.0           # how often the write timeout and the queue's wait are checked
 FRESH_GRACE_S = 1.0     # a connection that never finished a request is evictable this long after opening
 MAX_QUEUE_WAIT_S = 5.0  # a queued connection not given a slot this soon is answered 503
+# NOTE: the kernel's queue of connections not yet accepted (capped by net.core.somaxconn). At
+# aiohttp's 128, a client reconnecting as fast as it is cut fills it, and every other client's
+# SYN is dropped and only retried after a second
+LISTEN_BACKLOG = 4096
 
 
 def refuse(transport) -> None:
@@ -287,7 +291,7 @@ class BoundedSite(web.TCPSite):
     """A TCPSite whose connections go through `table` (see the module docstring)."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *, table: ConnectionTable):
-        super().__init__(runner, host, port)
+        super().__init__(runner, host, port, backlog=LISTEN_BACKLOG)
         self.table = table
         self._sweeper: asyncio.TimerHandle | None = None
 

@@ -63,7 +63,7 @@ class HTTPConfig:
     max_queued: int = 4096         # connections waiting for a slot at most; one more gets 503 and is closed
     write_timeout_s: float = 30.0  # a client that takes none of its unsent bytes (any response, any
                                    # streamed chunk) for this long is cut
-    max_pipelined: int = 16        # requests a connection may send ahead of reading their answers;
+    max_pipelined: int = 4         # requests a connection may send ahead of reading their answers;
                                    # one more is answered 429 and the connection closed
     # once every choice finished here, how long to wait for the backend's closing FinalEvent before
     # closing its stream (which aborts the backend request)
