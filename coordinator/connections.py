@@ -196,6 +196,11 @@ class ConnectionTable:
                 refuse(transport)
         self._make_room()
 
+    def close_queue(self) -> None:
+        """Abort every queued connection (the listener stops: aiohttp never saw them)."""
+        for conn in list(self._waiting):
+            self._abort(conn)
+
     # ---- the HTTP layer's side (coordinator.http's middleware) ----
 
     def find(self, transport) -> Connection | None:
@@ -315,4 +320,5 @@ class BoundedSite(web.TCPSite):
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        self.table.close_queue()
         await super().stop()
