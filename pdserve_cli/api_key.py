@@ -23,9 +23,10 @@ def add_arguments(p) -> None:
                    f"but /health, KEY read from file F (default: ${ENV}; neither: no auth)")
     p.add_argument("--api-key", metavar="KEY", help=f"the same, KEY on the command line: discouraged, every "
                    f"local user sees it in `ps`; use --api-key-file or ${ENV}")
-    p.add_argument("--admin", action="store_true", help="without an API key, open the admin routes (drain, "
-                   "scale) anyway: any local process can then scale or drain the cluster (default: they "
-                   "need the key, and are shut without one)")
+    # NOTE: default None, not False: `pdserve up` lets the flag override its --config file's `admin`
+    p.add_argument("--admin", action="store_true", default=None, help="without an API key, open the admin "
+                   "routes (drain, scale) anyway: any local process can then scale or drain the cluster "
+                   "(default: they need the key, and are shut without one)")
 
 
 def resolve(args, warn=None) -> str | None:

@@ -121,4 +121,17 @@ def test_up_and_serve_take_admin(command):
     p = argparse.ArgumentParser()
     command.add_arguments(p)
     assert p.parse_args(["--admin"]).admin is True
-    assert p.parse_args([]).admin is False
+    assert not p.parse_args([]).admin
+
+
+def test_up_passes_admin_into_the_http_config(tmp_path):
+    """`pdserve up --admin` (or `admin: true` in its --config file) reaches HTTPConfig."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cmd_up.add_arguments(p)
+    assert cmd_up._settings(p.parse_args(["--admin"]))[1] == {"admin": True}
+    assert cmd_up._settings(p.parse_args([]))[1] == {}
+    config = tmp_path / "up.yaml"
+    config.write_text("admin: true\n")
+    assert cmd_up._settings(p.parse_args(["--config", str(config)]))[1] == {"admin": True}
