@@ -110,3 +110,31 @@ def test_the_salt_changes_every_block_hash_and_rides_submit_as_a_digest():
     inner = msgpack.packb(["Submit", old], default=_default, use_bin_type=True)
     legacy = msgpack.packb(msgpack.ExtType(MESSAGE_EXT, inner), use_bin_type=True)
     assert decode(legacy) == Submit("r", PREFIX, SamplingParams())  # a sender without the field
+
+
+def test_a_prefill_worker_keys_its_prefix_cache_by_the_submits_prefix_key():
+    """The cluster's path: Submit.prefix_key reaches the prefill worker's engine (in process, no
+    Ray); its Tokens events report cached_tokens per key. The decode side is unreachable here, so
+    each request's blocks stay held for a resend: still in the prefix cache."""
+    from worker_harness import in_process
+
+    from prefill_worker.worker import PrefillWorker
+    from protocol.messages import Tokens
+
+    config = {"name": "p", "engine": {"model": "tiny", "num_blocks": 64}, "transfer_timeout_s": 1.0,
+              "hold_s": 30.0}
+    with in_process(PrefillWorker, config) as (worker, reports):
+        def cached(rid: str, salt: str) -> int:
+            cmd = Submit(rid, PREFIX + [len(rid)], SamplingParams(max_tokens=2), "decode-x",
+                         "tcp://127.0.0.1:9", 1, prefix_key=salt_key(salt))  # nothing listens there
+            assert decode(worker.command(encode(cmd))).error == ""
+
+            def first() -> list:
+                return [e for e in reports.events if isinstance(e, Tokens) and e.request_id == rid]
+
+            reports.until(lambda: first())
+            return first()[0].cached_tokens
+
+        assert cached("a", "alice") == 0
+        assert cached("bb", "mallory") == 0
+        assert cached("ccc", "alice") == len(PREFIX)
