@@ -12,10 +12,9 @@ import socket
 import time
 
 import pytest
-from http_harness import CONFIG, serve
+from http_harness import CONFIG, LocalEngineBackend, serve
 
 from bench.hold import HoldAttack, probe, summary
-from coordinator.backend import LocalEngineBackend
 from coordinator.connections import ConnectionTable
 from coordinator.http import CONNECTIONS, HTTPConfig
 

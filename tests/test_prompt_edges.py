@@ -11,9 +11,8 @@ import json
 
 import msgpack
 import pytest
-from http_harness import CONFIG, serve
+from http_harness import CONFIG, LocalEngineBackend, serve
 
-from coordinator.backend import LocalEngineBackend
 from coordinator.protocol import (
     InvalidRequest,
     parse_completion_request,
