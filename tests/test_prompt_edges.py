@@ -18,23 +18,22 @@ from coordinator.protocol import (
     parse_completion_request,
     resolve_prompt,
 )
-from engine.tokenizer import ByteTokenizer
 from protocol.codec import MESSAGE_EXT, _default, decode, encode
 from protocol.messages import Submit
 from protocol.prefix_hash import hash_chain, salt_key
 from protocol.sampling import SamplingParams
 
 
-class CountingTokenizer(ByteTokenizer):
-    """The byte-level tokenizer, counting the characters it was asked to encode."""
+class CountingTokenizer:
+    """A byte-level tokenizer (the tiny model's scheme: UTF-8 bytes, BOS 256), counting the
+    characters it was asked to encode."""
 
     def __init__(self):
-        super().__init__(260, 256, (257,))
         self.encoded_chars = 0
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encoded_chars += len(text)
-        return super().encode(text, add_special_tokens)
+        return [256] * add_special_tokens + list(text.encode("utf-8"))
 
 
 def test_a_prompt_far_past_the_context_is_refused_before_it_is_all_encoded():
