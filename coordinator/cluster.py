@@ -47,6 +47,7 @@ from coordinator.workers import (
     tell,
 )
 from protocol.messages import Abort, Submit
+from protocol.prefix_hash import salt_key
 from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
             decision = self._paths[rid] = self._decide(prompt, prefill, decode)
             if decision.path == "local_prefill":
                 prefill = decode  # NOTE: prefill == decode is what marks the local path from here on
-        request = RequestState(rid, creq.n, len(prompt), prefill, decode, prompt, params)
+        request = RequestState(rid, creq.n, len(prompt), prefill, decode, prompt, params,
+                               prefix_key=salt_key(creq.cache_salt))
         self.ledger.open(rid)
         self._requests[rid] = request
         try:
@@ -188,11 +190,13 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
         switch request.decode, or wait). Colocated: the one worker does it all."""
         if self.colocated:
             self.ledger.move(request.rid, Phase.DECODING, request.decode)
-            target, cmd = request.decode, Submit(request.rid, request.prompt, request.params)
+            target = request.decode
+            cmd = Submit(request.rid, request.prompt, request.params, prefix_key=request.prefix_key)
         elif request.prefill == request.decode:  # local prefill: the decode worker runs both phases
             request.epoch = self.ledger.move(request.rid, Phase.DECODING, request.decode)
             target = request.decode
-            cmd = Submit(request.rid, request.prompt, request.params, epoch=request.epoch)
+            cmd = Submit(request.rid, request.prompt, request.params, epoch=request.epoch,
+                         prefix_key=request.prefix_key)
             self._remember_decode(request)
         else:
             epoch = request.epoch = self.ledger.get(request.rid).epoch + 2
@@ -201,7 +205,7 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
             decode = self.workers[request.decode]
             target = request.prefill
             cmd = Submit(request.rid, request.prompt, request.params, decode.name, decode.address, epoch,
-                         list(request.generated))
+                         list(request.generated), prefix_key=request.prefix_key)
             self._remember_decode(request)
         try:
             reply = await command(self.workers[target], cmd, self.config.call_timeout_s)

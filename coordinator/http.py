@@ -30,7 +30,7 @@ from coordinator.admin import admin_routes
 from coordinator.bounded import bounded
 from coordinator.chat import CHAT, parse_chat_request
 from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
-from coordinator.connections import BoundedSite
+from coordinator.connections import BoundedSite, ConnectionTable
 from coordinator.guard import Admission, authorization_bytes, check_api_key
 from coordinator.metrics import CONTENT_TYPE, Metrics
 from coordinator.protocol import (
@@ -53,12 +53,18 @@ class HTTPConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     stall_timeout_s: float = 60.0  # longest wait for the backend's next event before the request fails (504)
     api_key: str | None = None     # bearer token every route but /health requires (None: no auth)
+    admin: bool = False            # without api_key, open the admin routes (drain, scale) anyway
     max_active: int = 256          # completion requests in flight; beyond, 429 with Retry-After
     read_timeout_s: float = 30.0   # longest wait for a request body (a slow client gets 408)
     header_timeout_s: float = 15.0  # a connection must finish its request headers this soon after opening
                                     # or after its last response (else closed; also the keep-alive bound)
-    max_connections: int = 1024    # open connections at most; one more gets 503 and is closed
-    write_timeout_s: float = 30.0  # longest wait for one streamed chunk to be taken by the client
+    max_connections: int = 1024    # connections served at once; more wait in a queue while an idle or
+                                   # suspect one is evicted for them (coordinator.connections)
+    max_queued: int = 4096         # connections waiting for a slot at most; one more gets 503 and is closed
+    write_timeout_s: float = 30.0  # a client that takes none of its unsent bytes (any response, any
+                                   # streamed chunk) for this long is cut
+    max_pipelined: int = 4         # requests a connection may send ahead of reading their answers;
+                                   # one more is answered 429 and the connection closed
     # once every choice finished here, how long to wait for the backend's closing FinalEvent before
     # closing its stream (which aborts the backend request)
     final_event_timeout_s: float = 1.0
@@ -68,6 +74,13 @@ BACKEND = web.AppKey("backend", object)
 CONFIG = web.AppKey("config", HTTPConfig)
 METRICS = web.AppKey("metrics", Metrics)
 ADMISSION = web.AppKey("admission", Admission)
+CONNECTIONS = web.AppKey("connections", ConnectionTable)
+
+
+class Pipelined(APIError):
+    """429: a connection sent more requests ahead of reading their answers than allowed."""
+
+    status, type, kind = 429, "rate_limit_error", "pipelined"
 
 
 def _error_response(e: APIError) -> web.Response:
@@ -76,6 +89,26 @@ def _error_response(e: APIError) -> web.Response:
 
 def _status_label(status: int) -> str:
     return "client_error" if status < 500 else "server_error"
+
+
+@web.middleware
+async def _connection_bounds(request: web.Request, handler):
+    """Tells the connection table when each request starts and ends (coordinator.connections);
+    a request past the pipelining bound is answered 429 and its connection closed."""
+    table = request.app[CONNECTIONS]
+    conn = table.find(request.transport)
+    if conn is None:  # not served through BoundedSite (aiohttp's own test server)
+        return await handler(request)
+    try:
+        if not table.begin(conn):
+            request.app[METRICS].count_error(Pipelined.kind)
+            resp = _error_response(Pipelined(f"more than {table.max_pipelined} requests sent ahead of "
+                                              "reading their answers: read each answer before sending more"))
+            resp.force_close()
+            return resp
+        return await handler(request)
+    finally:
+        table.finish(conn)
 
 
 @web.middleware
@@ -264,8 +297,10 @@ async def _cluster(request: web.Request) -> web.Response:
 
 def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None = None) -> web.Application:
     """The web app over `backend`; pass `metrics` to share one Metrics with a cluster backend."""
-    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[_connection_bounds, _errors], client_max_size=config.max_body_bytes)
     app[BACKEND], app[CONFIG], app[METRICS] = backend, config, metrics or Metrics()
+    app[CONNECTIONS] = ConnectionTable(config.max_connections, config.max_queued, config.max_pipelined,
+                                       config.write_timeout_s)
     app[ADMISSION] = Admission(config.max_active)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -273,7 +308,8 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/cluster", _cluster)
-    app.router.add_routes(admin_routes(backend, config.read_timeout_s))  # drain, scale: coordinator.admin
+    # drain, scale: coordinator.admin
+    app.router.add_routes(admin_routes(backend, config.read_timeout_s, bool(config.api_key) or config.admin))
     return app
 
 
@@ -284,7 +320,7 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=shutdown_timeout_s, keepalive_timeout=cfg.header_timeout_s)
     await runner.setup()
-    await BoundedSite(runner, host, port, max_connections=cfg.max_connections).start()
+    await BoundedSite(runner, host, port, table=app[CONNECTIONS]).start()
     return runner, runner.addresses[0][1]
 
 

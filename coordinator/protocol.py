@@ -67,6 +67,8 @@ class CompletionRequest:
     stream: answer with server-sent events.
     include_usage: stream_options.include_usage (usage is sent on the last chunk regardless).
     continuous_usage: stream_options.continuous_usage_stats (vLLM): usage on every chunk.
+    cache_salt: separates prefix caches (vLLM's and SGLang's field): only requests with the same
+        salt share cached prompt blocks, so `cached_tokens` tells no client another's prompt.
     add_special_tokens: let the tokenizer add its special tokens (e.g. BOS) when encoding the
         prompt text; False for a prompt rendered by a chat template, which writes them itself.
     """
@@ -90,6 +92,7 @@ class CompletionRequest:
     min_tokens: int = 0
     logprobs: int | None = None
     continuous_usage: bool = False
+    cache_salt: str = ""
 
     def sampling_params(self) -> SamplingParams:
         """The request's sampling settings; InvalidRequest if they break a bound."""
@@ -105,9 +108,9 @@ class CompletionRequest:
 # Fields accepted, and fields refused only when set to something other than their no-op value.
 _KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
           "stream_options", "stop_token_ids", "ignore_eos", "user", "min_tokens", "logprobs",
-          "max_completion_tokens"}
+          "max_completion_tokens", "cache_salt"}
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
-MAX_NAME_CHARS = 256  # `model` and `user`
+MAX_NAME_CHARS = 256  # `model`, `user` and `cache_salt`
 # NOTE: echo stays refused: prompt logprobs need the logits of every prompt position, which
 # prefill never computes (it keeps the last row only); see the message below.
 _ECHO_REFUSAL = ("'echo' is not supported: it would need the logits of every prompt position "
@@ -159,17 +162,48 @@ def parse_completion_request(raw: bytes | str | dict, *, max_n: int = MAX_N,
         include_usage=bool_field(opts, "include_usage"),
         continuous_usage=bool_field(opts, "continuous_usage_stats"),
         min_tokens=int_field(body, "min_tokens", 0, 0, MAX_TOKENS),
+        cache_salt=str_field(body, "cache_salt", MAX_NAME_CHARS),
         logprobs=int_field(body, "logprobs", None, 0, MAX_LOGPROBS))
     creq.sampling_params()  # every bound of the params checked now, not at dispatch
     return creq
 
 
+# A text prompt longer than PIECE_CHARS_PER_TOKEN characters per token of room is counted piece
+# by piece first (pieces of that many characters), and refused as soon as the pieces counted
+# hold more tokens than the room plus PIECE_SLACK per cut: so a megabyte of text costs the
+# tokenizer its first pieces (milliseconds) rather than all of it (seconds), and the exact check
+# never runs on it. The slack covers the tokens a cut can add at its edge (a token that would
+# have spanned it); a prompt that stays under after all its pieces is encoded whole and judged
+# exactly, as before.
+PIECE_CHARS_PER_TOKEN = 8
+PIECE_SLACK = 64
+
+
+def _cannot_fit(creq: CompletionRequest, tokenizer, max_context: int) -> None:
+    """InvalidRequest (the context error) once the pieces of the prompt text counted so far hold
+    more tokens than the room left for the prompt (see PIECE_CHARS_PER_TOKEN)."""
+    text, room = creq.prompt, max(0, max_context - creq.max_tokens)
+    piece = PIECE_CHARS_PER_TOKEN * (room + PIECE_SLACK)
+    if len(text) <= piece:  # the common case: encoded whole, once
+        return
+    counted = 0
+    for cuts, start in enumerate(range(0, len(text), piece)):
+        counted += len(tokenizer.encode(text[start:start + piece], add_special_tokens=False))
+        if counted > room + PIECE_SLACK * (cuts + 1):
+            raise InvalidRequest(f"prompt ({len(text)} characters; its first {start + piece} alone are "
+                                 f"about {counted} tokens) + max_tokens ({creq.max_tokens}) exceeds the "
+                                 f"model's context of {max_context} tokens", param="prompt",
+                                 code="context_length_exceeded")
+
+
 def resolve_prompt(creq: CompletionRequest, tokenizer, max_context: int,
                    vocab_size: int) -> CompletionRequest:
     """A copy with prompt_ids filled (text encoded as `pdserve generate --local` does) and checked:
-    ids inside the vocabulary, prompt + max_tokens within the model's context."""
+    ids inside the vocabulary, prompt + max_tokens within the model's context (a text prompt
+    too long for any tokenization is refused before it is encoded)."""
     ids = creq.prompt_ids
     if creq.prompt is not None:
+        _cannot_fit(creq, tokenizer, max_context)
         ids = tuple(tokenizer.encode(creq.prompt, add_special_tokens=creq.add_special_tokens))
         if not ids:
             raise InvalidRequest("'prompt' encodes to no tokens", param="prompt")

@@ -151,6 +151,7 @@ class RequestState:
     resent: int = 0                              # held blocks re-sent to another decode worker
     resending: bool = False                      # a resend is being arranged (coordinator.failover)
     cached_tokens: int | None = None             # prompt tokens the prefill's prefix cache supplied
+    prefix_key: str = ""                         # extra key of its prefix-cache hashes (Submit.prefix_key)
 
     def __post_init__(self) -> None:
         self.emitted, self.stash, self.done = [0] * self.n, [{} for _ in range(self.n)], [False] * self.n

@@ -36,7 +36,8 @@ class LocalPrefill:
         if key in self.engine.requests:
             self.engine.abort(key)  # an earlier attempt of the same request: this one supersedes it
         try:
-            self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=key)
+            self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=key,
+                                    prefix_key=cmd.prefix_key)
         except Exception as e:  # validated already; a race with the pool
             events.append(RequestFailed(cmd.request_id, cmd.epoch, "refused", str(e)))
             return

@@ -16,6 +16,7 @@ from coordinator.bounded import bounded
 from coordinator.metrics import worker_metrics_text
 from coordinator.protocol import APIError, InvalidRequest, ServiceUnavailable, Timeout
 from protocol.messages import Abort, Reply, RequestFailed, Submit
+from protocol.prefix_hash import salt_key
 
 WORKER = "local-0"  # the in-process engine's worker name (metrics labels, /v1/cluster)
 
@@ -115,7 +116,8 @@ class LocalEngineBackend:
         ok, why = self.health()
         if not ok:
             raise ServiceUnavailable(why)
-        cmd = Submit(creq.request_id, list(creq.prompt_ids), creq.sampling_params())
+        cmd = Submit(creq.request_id, list(creq.prompt_ids), creq.sampling_params(),
+                     prefix_key=salt_key(creq.cache_salt))
         verdict = self.handler.accept(cmd)  # validates the prompt against the engine (read-only)
         if isinstance(verdict, Reply):
             raise InvalidRequest(verdict.error, param="prompt")

@@ -91,14 +91,14 @@ class LLMEngine:
                         block_size=c.block_size, num_blocks=c.num_blocks, role=c.role)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, prefix_key: str | None = None) -> str:
         self.validate_prompt(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}")
         params = params.with_seed()
         req = Request(request_id, list(prompt_ids), params, self._stop_checker(params), time.monotonic(),
-                      seqs=[Sequence(0, list(prompt_ids))])
+                      seqs=[Sequence(0, list(prompt_ids))], prefix_key=prefix_key or None)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -108,8 +108,11 @@ class LLMEngine:
         """Decode role: sequences whose prompt KV is already adopted by `self.kv` under their seq_id."""
         for s in seqs:
             s.num_computed = self.kv.table(s.seq_id).num_computed
+        # NOTE: the key the sender hashed with (a client's cache_salt): a recompute after preemption
+        # must find and register its prefix under the same key
+        key = self.kv.table(seqs[0].seq_id).extra_key if seqs else None
         req = Request(request_id, list(prompt_ids), params, self._stop_checker(params), time.monotonic(),
-                      seqs=seqs, forked=True)
+                      seqs=seqs, forked=True, prefix_key=key)
         self.requests[request_id] = req
         self.scheduler.add_running(req)
 

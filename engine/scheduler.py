@@ -221,7 +221,7 @@ class Scheduler:
                 return
             got: list[Sequence] = []
             for s in seqs:
-                if self.kv.allocate(s.seq_id, s.token_ids) is None:
+                if self.kv.allocate(s.seq_id, s.token_ids, req.prefix_key) is None:
                     break
                 got.append(s)
             left = budget if len(got) == len(seqs) else None

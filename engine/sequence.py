@@ -73,6 +73,7 @@ class Request:
     first_token_time: float | None = None
     finished_beams: list[Sequence] = field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens the prefix cache supplied (set at its first chunk)
+    prefix_key: str | None = None     # extra key of its prefix-cache hashes (a client's cache_salt, digested)
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -4,6 +4,8 @@ Ray's job entrypoints), so the key comes from `--api-key-file F` (read and strip
 when the file is readable by group or other) or from `$PDSERVE_API_KEY`. `--api-key K` still
 works, with a warning that says why not to. The variable is dropped from this process's
 environment once read, so the Ray processes it starts (raylet, workers) do not inherit it.
+`--admin` opens the admin routes (drain, scale) on a server without a key; with neither they
+answer 403 (coordinator.admin).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ def add_arguments(p) -> None:
                    f"but /health, KEY read from file F (default: ${ENV}; neither: no auth)")
     p.add_argument("--api-key", metavar="KEY", help=f"the same, KEY on the command line: discouraged, every "
                    f"local user sees it in `ps`; use --api-key-file or ${ENV}")
+    # NOTE: default None, not False: `pdserve up` lets the flag override its --config file's `admin`
+    p.add_argument("--admin", action="store_true", default=None, help="without an API key, open the admin "
+                   "routes (drain, scale) anyway: any local process can then scale or drain the cluster "
+                   "(default: they need the key, and are shut without one)")
 
 
 def resolve(args, warn=None) -> str | None:

@@ -55,7 +55,8 @@ def run(args) -> int:
         backend = LocalEngineBackend(cfg, config=LocalBackendConfig(name=args.served_model_name))
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0])
-    app = make_app(backend, HTTPConfig(host=args.host, port=args.port, api_key=api_key))
+    http = HTTPConfig(host=args.host, port=args.port, api_key=api_key, admin=bool(args.admin))
+    app = make_app(backend, http)
 
     def ready(port: int) -> None:
         print(f"pdserve serve: model {backend.name!r} on http://{args.host}:{port}/v1 "

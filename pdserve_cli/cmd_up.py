@@ -40,7 +40,7 @@ FILE_ONLY = ("engine", "actor_cpus", "torch_threads", "prefill_resources", "deco
              "monitor_s", "bind", "event_port", "kv_port_min", "kv_port_max", "gpus_per_worker",
              "restart_backoff_s", "max_restarts", "restart_window_s", "max_waiting", "stream_migration")
 # Keys of the HTTP server's config (coordinator.http.HTTPConfig) a config file may set.
-HTTP_KEYS = ("max_active",)
+HTTP_KEYS = ("max_active", "admin")
 
 
 def add_arguments(p) -> None:
@@ -98,7 +98,7 @@ def _settings(args) -> tuple[argparse.Namespace, dict]:
     for k in DEFAULTS:
         if getattr(args, k, None) is not None:
             values[k] = getattr(args, k)
-    for k in ("max_active", "max_waiting"):  # flags that override the file's extras
+    for k in ("max_active", "max_waiting", "admin"):  # flags that override the file's extras
         if getattr(args, k, None) is not None:
             extras[k] = getattr(args, k)
     if getattr(args, "served_model_name", None):  # ClusterConfig.name, as the file's `name`

@@ -123,7 +123,8 @@ class PrefillHandler:
         if rid in self.migrations.inflight:
             self.migrations.inflight[rid].cancel()
         try:
-            self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid)
+            self.engine.add_request(list(cmd.prompt_ids), cmd.params, request_id=rid,
+                                    prefix_key=cmd.prefix_key)
         except Exception as e:  # validated already; a race with the pool
             events.append(RequestFailed(rid, cmd.epoch, "refused", str(e)))
             return

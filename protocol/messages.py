@@ -22,7 +22,9 @@ from protocol.sampling import MAX_LOGPROBS, SamplingParams
 class Submit:
     """Run a request. Prefill workers also get the decode worker its KV goes to (name, KV address)
     and the migration epoch; colocated workers leave those empty. generated: output tokens already
-    streamed (a resume after a decode worker was lost; n=1): prefilled with the prompt."""
+    streamed (a resume after a decode worker was lost; n=1): prefilled with the prompt.
+    prefix_key: the extra key of the request's prefix-cache hashes (protocol.prefix_hash.salt_key
+    of the client's cache_salt; '' none): only requests with the same key share cached blocks."""
 
     request_id: str
     prompt_ids: list[int]
@@ -31,6 +33,7 @@ class Submit:
     decode_address: str = ""
     epoch: int = 0
     generated: list[int] = field(default_factory=list)
+    prefix_key: str = ""
 
 
 @message

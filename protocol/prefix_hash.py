@@ -13,6 +13,16 @@ import xxhash
 ROOT_HASH = 0  # the parent hash of a sequence's first block
 
 
+def salt_key(cache_salt: str) -> str:
+    """The prefix-cache extra key of a request's `cache_salt` ('' for none): a fixed-size digest,
+    so the salt's text never travels to workers and any salt fits a manifest's id bound. Requests
+    with different salts share no cached block, so `cached_tokens` tells no client what another
+    one sent."""
+    if not cache_salt:
+        return ""
+    return "salt:" + xxhash.xxh3_128_hexdigest(cache_salt.encode("utf-8", "surrogatepass"))
+
+
 def hash_block(parent_hash: int, token_ids, extra_key: bytes | str | None = None) -> int:
     """Chained prefix hash of one full block: H(parent hash, the block's token ids, extra key).
 

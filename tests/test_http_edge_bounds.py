@@ -179,7 +179,7 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
 
 def test_slowloris_connections_are_closed_and_capped(http_loop, backend):
-    served = serve(http_loop, backend, HTTPConfig(header_timeout_s=1.0, max_connections=4))
+    served = serve(http_loop, backend, HTTPConfig(header_timeout_s=1.0, max_connections=4, max_queued=0))
     slow = []
     try:
         for _ in range(4):
