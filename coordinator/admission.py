@@ -11,8 +11,8 @@ import asyncio
 import time
 
 from coordinator.bounded import bounded
+from coordinator.completion_request import InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.guard import Overloaded
-from coordinator.protocol import InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.workers import CommandEncodeError, RequestState, actor_died, command, tell
 from protocol.messages import Abort, Reserve
 

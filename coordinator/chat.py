@@ -18,9 +18,14 @@ import uuid
 from dataclasses import replace
 
 from coordinator.completion import ResponseFormat
+from coordinator.completion_request import (
+    CompletionRequest,
+    InvalidRequest,
+    json_object,
+    parse_completion_request,
+)
 from coordinator.fields import bool_field, int_field
 from coordinator.logprobs import chat_logprobs
-from coordinator.protocol import CompletionRequest, InvalidRequest, json_object, parse_completion_request
 from model_files.chat_template import ChatTemplateError
 from protocol.sampling import MAX_LOGPROBS, MAX_N
 

@@ -27,13 +27,19 @@ from collections.abc import Callable
 
 from coordinator.admission import AdmissionMixin
 from coordinator.bounded import bounded
+from coordinator.completion_request import (
+    APIError,
+    InternalError,
+    InvalidRequest,
+    ServiceUnavailable,
+    Timeout,
+)
 from coordinator.config import ClusterConfig
 from coordinator.decide import DecideConfig, DecideInputs, Decision, decide
 from coordinator.failover import FailoverMixin
 from coordinator.ledger import Ledger, Phase
 from coordinator.lifecycle import LifecycleMixin
 from coordinator.metrics import Metrics, worker_metrics_text
-from coordinator.protocol import APIError, InternalError, InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.reconcile import Reconciler
 from coordinator.reports import ReportsMixin
 from coordinator.router import NoWorkerError, Router, WorkerLoad

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from coordinator.backend import FinalEvent, TokenEvent
 from coordinator.bounded import bounded
+from coordinator.completion_request import APIError, InternalError, Timeout
 from coordinator.detokenize import Detokenizer
 from coordinator.logprobs import text_logprobs
 from coordinator.metrics import Metrics
-from coordinator.protocol import APIError, InternalError, Timeout
 
 
 @dataclass

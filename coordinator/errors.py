@@ -1,7 +1,7 @@
 """The HTTP API's typed errors, each the OpenAI error body `{"error": {"message", "type", "param",
-"code"}}` with its HTTP status. Parsers (coordinator.protocol, coordinator.fields), backends and
+"code"}}` with its HTTP status. Parsers (coordinator.completion_request, coordinator.fields), backends and
 the HTTP layer raise these, so the status of every failure is decided in one place;
-coordinator.protocol re-exports them.
+coordinator.completion_request re-exports them.
 """
 
 from __future__ import annotations

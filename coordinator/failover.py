@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from coordinator.completion_request import APIError, ServiceUnavailable
 from coordinator.ledger import Phase
-from coordinator.protocol import APIError, ServiceUnavailable
 from coordinator.router import NoWorkerError
 from coordinator.workers import command, tell
 from protocol.messages import Abort, Resend

@@ -1,4 +1,4 @@
-"""Field readers of the OpenAI request bodies, shared by /v1/completions (coordinator.protocol)
+"""Field readers of the OpenAI request bodies, shared by /v1/completions (coordinator.completion_request)
 and /v1/chat/completions (coordinator.chat): each reads one field of the decoded JSON object,
 checks its type and range, and raises `InvalidRequest` (400) naming it. `json_object` turns the
 raw body into that object only after coordinator.edge bounded its nesting (before parsing) and

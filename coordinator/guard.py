@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 
-from coordinator.protocol import APIError
+from coordinator.completion_request import APIError
 
 
 class Unauthorized(APIError):
@@ -53,7 +53,7 @@ def check_api_key(api_key: str | None, path: str, authorization: bytes | str | N
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
-class Admission:
+class InFlightLimit:
     """Counts completion requests in flight; `enter` refuses beyond `max_active`."""
 
     def __init__(self, max_active: int):

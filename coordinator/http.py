@@ -30,16 +30,16 @@ from coordinator.admin import admin_routes
 from coordinator.bounded import bounded
 from coordinator.chat import CHAT, parse_chat_request
 from coordinator.completion import TEXT, CompletionRun, Delta, ResponseFormat
-from coordinator.connections import BoundedSite, ConnectionTable
-from coordinator.guard import Admission, authorization_bytes, check_api_key
-from coordinator.metrics import CONTENT_TYPE, Metrics
-from coordinator.protocol import (
+from coordinator.completion_request import (
     APIError,
     InternalError,
     ModelNotFound,
     parse_completion_request,
     resolve_prompt,
 )
+from coordinator.connections import BoundedSite, ConnectionTable
+from coordinator.guard import InFlightLimit, authorization_bytes, check_api_key
+from coordinator.metrics import CONTENT_TYPE, Metrics
 from protocol.sampling import MAX_N
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class HTTPConfig:
 BACKEND = web.AppKey("backend", object)
 CONFIG = web.AppKey("config", HTTPConfig)
 METRICS = web.AppKey("metrics", Metrics)
-ADMISSION = web.AppKey("admission", Admission)
+IN_FLIGHT = web.AppKey("in_flight", InFlightLimit)
 CONNECTIONS = web.AppKey("connections", ConnectionTable)
 
 
@@ -172,14 +172,14 @@ async def _answer(request: web.Request, shape: ResponseFormat, parse) -> web.Str
             raise web.HTTPRequestTimeout(reason=f"request body not received within {cfg.read_timeout_s:g}s") \
                 from None
         creq = await asyncio.to_thread(prepare, raw)
-        app[ADMISSION].enter()
+        app[IN_FLIGHT].enter()
     except (APIError, web.HTTPException) as e:
         metrics.request_refused(_status_label(e.status))
         raise
     try:
         return await _run(request, creq, creq.model or names[0], shape)
     finally:
-        app[ADMISSION].leave()
+        app[IN_FLIGHT].leave()
 
 
 async def _run(request: web.Request, creq, model: str, shape: ResponseFormat) -> web.StreamResponse:
@@ -301,7 +301,7 @@ def make_app(backend, config: HTTPConfig = HTTPConfig(), metrics: Metrics | None
     app[BACKEND], app[CONFIG], app[METRICS] = backend, config, metrics or Metrics()
     app[CONNECTIONS] = ConnectionTable(config.max_connections, config.max_queued, config.max_pipelined,
                                        config.write_timeout_s)
-    app[ADMISSION] = Admission(config.max_active)
+    app[IN_FLIGHT] = InFlightLimit(config.max_active)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)

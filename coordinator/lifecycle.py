@@ -22,8 +22,8 @@ import logging
 import time
 
 from coordinator.bounded import bounded
+from coordinator.completion_request import ServiceUnavailable
 from coordinator.drain import DrainMixin
-from coordinator.protocol import ServiceUnavailable
 from coordinator.workers import actor_error_text, call, command, spawn_worker, spawn_workers
 from protocol.curve import ClusterKeys
 from protocol.messages import Connect, Describe

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
+from coordinator.completion_request import InternalError, InvalidRequest, ServiceUnavailable
 from coordinator.ledger import Phase
-from coordinator.protocol import InternalError, InvalidRequest, ServiceUnavailable
 from coordinator.workers import tell
 from protocol.messages import (
     Abort,

@@ -236,7 +236,7 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
     is named "<slot>-r<g>" so nothing of the dead one can be mistaken for it."""
     import ray
 
-    from decode_worker.colocated import ColocatedWorker
+    from colocated_worker.worker import ColocatedWorker
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 

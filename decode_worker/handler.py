@@ -12,7 +12,7 @@ and output count keep sampling identical to a colocated run). The prefill worker
 request's sequences one after another, so after importing one of them the loop waits (up
 to `sibling_wait_s`) for the rest before it steps: a step started in between would hold the next
 sequence's transfer for a whole step. Credits and admission: decode_worker.credits. A `Submit`
-addressed to no decode worker is a request this worker prefills itself (decode_worker.local).
+addressed to no decode worker is a request this worker prefills itself (runtime.local_requests).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass
 
 from decode_worker.credits import Credits
-from decode_worker.local import LocalPrefill
 from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Submit, Tokens
 from protocol.sampling import SamplingParams
 from runtime.actor import QUEUE, WorkerConfig
 from runtime.holdings import blocks_by_request
+from runtime.local_requests import LocalRequests
 from transfer.errors import TransferError
 from transfer.metrics import DEFAULT_METRICS
 from transfer.registry import get as get_transport
@@ -72,7 +72,7 @@ class DecodeHandler:
         self.sequences: dict[str, tuple[str, object]] = {}    # transfer id -> (request id, Sequence)
         self.due: dict[str, int] = {}  # request id -> its sequences not imported yet (n > 1 requests)
         self.refused_imports = 0
-        self.local = LocalPrefill(engine)  # requests prefilled here (coordinator.decide's local path)
+        self.local = LocalRequests(engine)  # requests prefilled here (coordinator.decide's local path)
         keys = config.keys
         endpoint = TransportConfig(address=f"tcp://{_bind_host(config.kv_host)}:0", peer_name=config.name,
                                    secret=keys.secret if keys else "")

@@ -1,6 +1,6 @@
 """`LocalEngineBackend`: one colocated engine in process behind the backend contract
 (coordinator.backend), the server of `pdserve serve`. It runs on the worker runtime, with the same
-loop and `ColocatedHandler` as a colocated Ray worker (decode_worker.colocated): requests and
+loop and `ColocatedHandler` as a colocated Ray worker (colocated_worker.worker): requests and
 aborts are typed commands on its queue, and each report's `Tokens` events go back to the waiting
 coroutines' asyncio queues with `loop.call_soon_threadsafe`. Every wait is bounded. It sits above
 the coordinator because it loads the engine, which the coordinator never does.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from coordinator.backend import FinalEvent, TokenEvent
 from coordinator.bounded import bounded
+from coordinator.completion_request import APIError, InvalidRequest, ServiceUnavailable, Timeout
 from coordinator.metrics import worker_metrics_text
-from coordinator.protocol import APIError, InvalidRequest, ServiceUnavailable, Timeout
 from protocol.messages import Abort, Reply, RequestFailed, Submit
 from protocol.prefix_hash import salt_key
 
@@ -49,7 +49,7 @@ class LocalEngineBackend:
     """One in-process colocated engine behind the backend contract (see module docstring)."""
 
     def __init__(self, engine_config=None, *, engine=None, config: LocalBackendConfig = LocalBackendConfig()):
-        from decode_worker.colocated import ColocatedHandler
+        from colocated_worker.worker import ColocatedHandler
         from engine.engine import EngineConfig, LLMEngine
         from runtime.actor import WorkerConfig
 

@@ -24,9 +24,9 @@ import torch
 
 from engine import weight_format
 from engine.attention import AttentionBackend, get_backend
-from engine.config import ModelConfig
 from engine.cpu_decode_layers import DecodeLayers
 from engine.model import LlamaModel
+from engine.model_config import ModelConfig
 from kvcache.storage import dtype_from_name, dtype_name
 from model_files.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
 from model_files.tokenizer import ByteTokenizer, HFTokenizer, gguf_tokenizer, load_tokenizer

@@ -23,8 +23,8 @@ from torch import nn
 from engine import cpu_fused
 from engine.attention import AttentionBackend
 from engine.attn_metadata import AttentionMetadata, int64_tensor
-from engine.config import ModelConfig
 from engine.cpu_gemm import MIN_PACKED_ELEMENTS, PackedLinear, Projection, pack
+from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
 from kvcache.storage import KVStorage
 

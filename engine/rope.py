@@ -6,7 +6,7 @@ front). `RotaryEmbedding.tables(positions, dtype)` looks a step's rows up once; 
 rotates queries and keys together with them (one call per layer on the fused q/k view).
 Scaling variants: 'default', 'linear' (positions divided by `factor`) and Llama 3.1's 'llama3'
 (low frequencies divided by `factor`, a smooth blend in between). Others are refused by
-engine.config with a message naming the rope type.
+engine.model_config with a message naming the rope type.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from engine.config import SUPPORTED_ROPE_TYPES, ModelConfig, UnsupportedModelError
+from engine.model_config import SUPPORTED_ROPE_TYPES, ModelConfig, UnsupportedModelError
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:

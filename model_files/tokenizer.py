@@ -26,7 +26,7 @@ from model_files.gguf_tokenizer import build_tokenizer
 
 
 class SpecialIds(Protocol):
-    """What a tokenizer takes from the model's config: engine.config.ModelConfig on a worker,
+    """What a tokenizer takes from the model's config: engine.model_config.ModelConfig on a worker,
     the workers' protocol.messages.WorkerInfo on the coordinator."""
 
     vocab_size: int

@@ -43,7 +43,7 @@ def listing() -> list[dict]:
 
 def write_tokenizer_dir(spec: str, directory: str) -> list[str]:
     """Write the HF tokenizer files of GGUF model `spec` into `directory`; returns their paths."""
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from model_files.gguf import GGUFFile, is_gguf_spec, resolve_model_spec
     from model_files.tokenizer import gguf_tokenizer
 

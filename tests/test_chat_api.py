@@ -17,7 +17,7 @@ from http_harness import serving_smollm2
 from smollm2_helpers import SKIP, engine_model, hf_tokenizer
 
 from coordinator.chat import parse_chat_request
-from coordinator.protocol import InvalidRequest
+from coordinator.completion_request import InvalidRequest
 from model_files.chat_template import ChatTemplate, ChatTemplateError
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -24,7 +24,7 @@ def test_listing_names_the_shipped_file(capsys):
 @SKIP
 def test_tokenizer_dir_loads_in_transformers_and_matches(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from model_files.gguf import GGUFFile
     from model_files.tokenizer import gguf_tokenizer
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from http_harness import CONFIG, wait_settled
 
+from coordinator.completion_request import InvalidRequest, parse_completion_request
 from coordinator.detokenize import Detokenizer
-from coordinator.protocol import InvalidRequest, parse_completion_request
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from model_files.tokenizer import ByteTokenizer

@@ -19,7 +19,7 @@ LAYERS = [
     {"kvcache"},
     {"transfer", "engine"},
     {"runtime"},
-    {"prefill_worker", "decode_worker"},
+    {"prefill_worker", "decode_worker", "colocated_worker"},
     {"coordinator"},
     {"deploy"},
     {"bench", "pdserve_cli"},

@@ -99,7 +99,7 @@ def test_heartbeats_keep_coming_while_the_loop_is_wedged_and_say_so():
     wedged (not silent); before the hang it is alive."""
     from worker_harness import in_process
 
-    from decode_worker.colocated import ColocatedWorker
+    from colocated_worker.worker import ColocatedWorker
 
     with in_process(ColocatedWorker, {"name": "colo-hb", "heartbeat_s": 0.05,
                                       "engine": {"num_blocks": 16}}) as (worker, reports):

@@ -19,9 +19,9 @@ from hf_checkpoints import CASES, NEW_TOKENS, Checkpoint, one_torch_thread
 from engine import cpu_attention
 from engine.attn_metadata import AttentionMetadata
 from engine.attn_torch import Workspace
-from engine.config import ModelConfig
 from engine.loader import load_model
 from engine.model import logits_indices
+from engine.model_config import ModelConfig
 from kvcache import BlockAllocator, KVCacheManager, KVStorage
 from model_files.tokenizer import ByteTokenizer
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from hf_checkpoints import CASES, SMALL, VOCAB, Checkpoint, one_torch_thread, transformers
 
-from engine.config import ModelConfig, UnsupportedModelError
 from engine.loader import CheckpointError, load_model
+from engine.model_config import ModelConfig, UnsupportedModelError
 from model_files.tokenizer import ByteTokenizer, load_tokenizer
 
 

@@ -11,7 +11,7 @@ import os
 import pytest
 from hf_checkpoints import Checkpoint
 
-from engine.config import ModelConfig, UnsupportedModelError
+from engine.model_config import ModelConfig, UnsupportedModelError
 from pdserve_cli.main import main
 from pdserve_cli.weights_arg import resolve
 

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 from http_harness import CONFIG, LocalEngineBackend, serve
 
-from coordinator.protocol import (
+from coordinator.completion_request import (
     InvalidRequest,
     parse_completion_request,
     resolve_prompt,

@@ -1,12 +1,12 @@
-"""Local prefill on a decode worker: requests the coordinator's per-request policy
-(coordinator.decide) sends here whole, as a `Submit` without a decode worker, instead of through
-a prefill worker and a migration. The decode engine already runs chunked prefill with prefix
-caching (it is the colocated engine with the decode role), so such a request only joins its
-scheduler: its prefill chunks share steps with the running decodes, the prompt's full blocks
-stay in this worker's prefix cache (as imported ones do), and tokens stream exactly as a
-colocated worker's do (same seed, same sampler: the same tokens). It runs as engine request
-"<request id>/local", beside the imports' "<request id>/<choice>", so the decode handler's
-holdings map it back to its request like an import.
+"""Requests run whole on one engine, no migration: a colocated worker's, and on a decode worker
+the requests the coordinator's per-request policy (coordinator.decide) sends here whole, as a
+`Submit` without a decode worker, instead of through a prefill worker and a migration. The decode
+engine already runs chunked prefill with prefix caching (it is the colocated engine with the
+decode role), so such a request only joins its scheduler: its prefill chunks share steps with the
+running decodes, the prompt's full blocks stay in this worker's prefix cache (as imported ones
+do), and tokens stream exactly as a colocated worker's do (same seed, same sampler: the same
+tokens). It runs as engine request "<request id>/local", beside the imports'
+"<request id>/<choice>", so the decode handler's holdings map it back to its request like an import.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from runtime.actor import QUEUE, refuse_submit
 SUFFIX = "/local"
 
 
-class LocalPrefill:
+class LocalRequests:
     """suffix: appended to the request id to name its engine request (the colocated worker: none)."""
 
     def __init__(self, engine, suffix: str = SUFFIX):

@@ -1,22 +1,23 @@
 """The colocated role: one engine runs both phases and no KV moves (the baseline every
-disaggregated result is compared with). It lives with the decode worker because it is a decode
-worker that also prefills. `ColocatedHandler` runs on the worker runtime in a Ray actor
+disaggregated result is compared with). Its requests run whole on its engine through
+runtime.local_requests, as a decode worker's locally prefilled ones do. `ColocatedHandler`
+runs on the worker runtime in a Ray actor
 (`ColocatedWorker`, `pdserve up --colocated K`) and in process behind `pdserve serve`
 (deploy.in_process.LocalEngineBackend).
 """
 
 from __future__ import annotations
 
-from decode_worker.local import LocalPrefill
 from protocol.messages import Abort, Reply, Submit
 from runtime.actor import QUEUE, WorkerActor, WorkerConfig, refuse_submit
 from runtime.holdings import blocks_by_request
+from runtime.local_requests import LocalRequests
 
 
 class ColocatedHandler:
     def __init__(self, config: WorkerConfig, engine):
         self.config, self.engine = config, engine
-        self.local = LocalPrefill(engine, suffix="")  # every request runs under its own id
+        self.local = LocalRequests(engine, suffix="")  # every request runs under its own id
 
     def accept(self, cmd):
         """Validate a Submit on the calling thread (read-only); aborts go to the loop."""
