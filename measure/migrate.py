@@ -172,11 +172,11 @@ def quiet_nixl() -> None:
 
 
 def run_bench(cfg: BenchConfig, log=print, baselines=None) -> dict:
-    """Run every point and, with cfg.baselines, the baselines: `baselines(peer, repeats, log, device)`
-    makes the object that measures them (`bench.baselines.Baselines`: the benchmark's, kept out of
-    the product since it pickles over a pipe as the naive approach it compares against); returns
-    {"machine": measure.machine.describe(), "results": [...], "baselines": [...], "timeline": [...]} (timeline: one record per timed migration, see
-    `bench.migrate_trace`)."""
+    """Run every point and, with cfg.baselines, the baselines: `baselines(peer, repeats, log, device)` makes
+    the object that measures them (`bench.baselines.Baselines`: the benchmark's, kept out of the product
+    since it pickles over a pipe as the naive approach it compares against); returns {"machine":
+    measure.machine.describe(), "results": [...], "baselines": [...], "timeline": [...]} (timeline: one
+    record per timed migration, see `bench.migrate_trace`)."""
     if cfg.baselines and baselines is None:
         raise ValueError("cfg.baselines needs run_bench's `baselines` (e.g. bench.baselines.Baselines)")
     quiet_nixl()

@@ -1,9 +1,10 @@
-"""Imports flow one way: pdserve_cli/bench -> planner -> measure/allocsim -> deploy -> coordinator
--> workers -> runtime -> transfer/engine -> kvcache -> protocol/model_files. Every import of every
-package module, including the ones inside functions, is read with `ast`; sibling packages on one
-layer (prefill_worker and decode_worker, transfer and engine) never import each other, and nothing
-outside bench/ and tests/ imports bench but the CLI's `bench` commands (pdserve_cli/cmd_bench_*.py).
-The coordinator imports neither the engine nor torch (it tokenizes through model_files), and loading every coordinator module loads neither.
+"""Imports flow one way: pdserve_cli/bench -> planner -> measure/allocsim -> deploy -> coordinator ->
+workers -> runtime -> transfer/engine -> kvcache -> protocol/model_files. Every import of every package
+module, including the ones inside functions, is read with `ast`; sibling packages on one layer
+(prefill_worker and decode_worker, transfer and engine) never import each other, and nothing outside
+bench/ and tests/ imports bench but the CLI's `bench` commands (pdserve_cli/cmd_bench_*.py). The
+coordinator imports neither the engine nor torch (it tokenizes through model_files), and loading every
+coordinator module loads neither.
 """
 
 from __future__ import annotations
