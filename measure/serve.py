@@ -432,7 +432,7 @@ def cluster_config(mode: str, cfg: ServeBenchConfig, streamed: bool = True, step
 
     engine: dict = {"scheduler": {"max_num_batched_tokens": step_budget or cfg.step_budget}}
     if cfg.weights or cfg.model != "tiny":  # tiny keeps the engine's own (f32) weights, as the tests
-        from engine.gguf import is_gguf_spec
+        from model_files.gguf import is_gguf_spec
 
         # NOTE: `pdserve up`'s CPU default (pdserve_cli.weights_arg): a GGUF model's own blocks, else bf16
         engine["weights"] = cfg.weights or ("gguf" if is_gguf_spec(cfg.model) else "bf16")
