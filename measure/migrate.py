@@ -53,8 +53,7 @@ class BenchConfig:
     small_repeats / small_warmup: the least repeats and warm-ups for payloads up to 1 MiB, which
     take milliseconds (with 4 repeats their p50 is one sample of the machine's noise).
     device: where both pools live ('cuda': the ZeroMQ transports stage through pinned buffers;
-    the Ray transports are host-pool only here). baselines: measure the baselines too (run_bench's
-    `baselines` makes them)."""
+    the Ray transports are host-pool only here)."""
 
     kv_shapes: tuple[str, ...] = ("tiny", "llama3-8b")
     tokens: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -63,7 +62,7 @@ class BenchConfig:
     repeats: int = 5
     warmup: int = 2
     chunk_bytes: int = 2 << 20
-    baselines: bool = True
+    baselines: bool = True  # measure the baselines too (run_bench's `baselines` makes them)
     inline_bytes: int | None = None
     small_repeats: int = 30
     small_warmup: int = 10
