@@ -1,9 +1,9 @@
-"""Benchmarks, the allocator-policy simulator, the serving load generator, their plots and the
-demo driver: everything `pdserve bench ...`, `pdserve simulate` and `pdserve demo` run, and the
-synthetic KV pools the tests share. It sits at the top of the import graph: it may import any
-runtime package (kvcache, engine, transfer, coordinator, deploy), while nothing in the runtime
-imports it; only `pdserve_cli` and `tests/` do. `migrate*`, `baselines`, `pools` and
-`ray_receiver` measure KV migration; `allocator` the block allocator; `engine` the engine against
-transformers; `kernels` the Triton attention kernels; `loadgen` and `serve*` disaggregated against
-colocated serving; `sim/` is the simulator.
+"""Benchmarks, their plots and the results report: what `pdserve bench ...` runs, and nothing
+else. It sits at the top of the import graph: it may import any product package (the runtime,
+deploy, and `measure`, whose serving and migration measurements `bench serve` and `bench migrate`
+report), while nothing in the product imports it; only the CLI's `bench` commands
+(pdserve_cli/cmd_bench_*.py) and `tests/` do. `baselines` is what `bench migrate` compares KV
+migration against; `allocator` measures the block allocator; `engine` the engine against
+transformers; `kernels` the Triton attention kernels; `chaos`, `fuzz`, `flood` and `soak` the
+service's reliability.
 """

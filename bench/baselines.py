@@ -4,7 +4,7 @@ Each is made as well as its kind allows, so a ratio against it means something:
 - memcpy: one in-process, single-threaded torch copy (the ceiling for any copy-based path);
 - raw_tcp: a well-made loopback TCP stream between two processes: the sender `sendall`s 1 MiB
   memoryview slices of the payload, the receiver (the benchmark's peer process,
-  `bench.migrate_peer`) `recv_into`s a preallocated, pre-touched buffer in 1 MiB pieces and
+  `measure.migrate_peer`) `recv_into`s a preallocated, pre-touched buffer in 1 MiB pieces and
   confirms each transfer with one byte. One connection per payload size, reused by the warm-up
   and the timed repeats (connection setup is not timed); after the repeats the receiver's buffer
   is checked against the payload (xxh3), untimed;
@@ -31,7 +31,7 @@ Each is made as well as its kind allows, so a ratio against it means something:
   payload between device memory and a pinned host buffer each way: every host-staged path
   crosses the bus twice, so these bound a device-to-device migration through the host.
 Each returns GB/s (1e9 bytes per second) of the median of `repeats` timed runs. `Baselines`
-measures all of them (and the xxh3 checksum speed) once per payload size for `bench.migrate`.
+measures all of them (and the xxh3 checksum speed) once per payload size for `measure.migrate`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def raw_tcp(payload: memoryview, open_sink, repeats: int = 5, warmup: int = 1,
     """A well-made socket transfer into another process; {"gb_per_s", "verified"}.
 
     open_sink(nbytes) -> port of a sink in another process that, per transfer, receives nbytes
-    into its pre-touched buffer and replies one byte (see `bench.migrate_peer.raw_tcp_sink`); the
+    into its pre-touched buffer and replies one byte (see `measure.migrate_peer.raw_tcp_sink`); the
     connection is opened once and reused for the warm-up and every timed repeat.
     digest(port) -> xxh3-64 of the sink's buffer (optional; checked after the repeats, untimed).
     hashed: xxh3 each piece before sending it (the sink must hash on its side too: raw_tcp_xxh3)."""

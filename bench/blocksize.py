@@ -105,10 +105,10 @@ def _median_run(runs: list[dict]) -> dict:
 def run(cfg: BlocksizeConfig, json_path: str | None = None, plot_path: str | None = None,
         shortened: list[str] | None = None) -> dict:
     """Measure every block size; write the JSON and the figure when paths are given; return the report."""
+    from allocsim.scenario import load_default_scenario
     from bench.blocksize_migrate import measure_migrations
     from bench.blocksize_replay import engine_trace, mixed_scenario, replay, shared_trace, simulate
     from bench.blocksize_report import build_report, write_outputs
-    from bench.sim.scenario import load_default_scenario
     from engine.attention import get_backend
     from engine.loader import load_model
 

@@ -69,7 +69,7 @@ def migrate_pair(layout, src_block: int, dst_block: int, lengths: list[int], rep
     pool (after one untimed warm-up); migration_ms is the mean per sequence of the median repeat."""
     import torch
 
-    from bench.pools import fill_random_sequence, make_manager
+    from measure.pools import fill_random_sequence, make_manager
     from transfer.transport import TransportConfig
     from transfer.zmq_channel import ZmqSender
 

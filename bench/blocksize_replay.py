@@ -1,6 +1,6 @@
 """The engine side of `pdserve bench blocksize`: its three request traces and their replay on a
 real `LLMEngine`. The mixed-length trace is generated (seeded) as a simulator `Scenario`, so the
-allocator simulator (`bench.sim`, run by `simulate`) and the engine replay the same requests;
+allocator simulator (`allocsim`, run by `simulate`) and the engine replay the same requests;
 `engine_trace` gives each simulator request one extra prompt token, because the simulator books a
 generated token's slot in the step that produces it and the engine one step later (never the last
 one's): with prompt + 1 tokens and max_tokens = output the engine's tables hold the simulator's
@@ -46,7 +46,7 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 def mixed_scenario(cfg):
     """The mixed-length trace (cfg: a `bench.blocksize.BlocksizeConfig`) as a simulator Scenario."""
-    from bench.sim.scenario import Request, Scenario
+    from allocsim.scenario import Request, Scenario
 
     rng, t, reqs = random.Random(cfg.seed), 0, []
     for i in range(cfg.mixed_requests):
@@ -77,8 +77,8 @@ def shared_trace(cfg, vocab: int) -> list[TraceRequest]:
 
 def simulate(scenario, block_size: int) -> dict:
     """The simulator's paged policy on `scenario` at one block size (no blocks: all rejected)."""
-    from bench.sim.policies import Paged
-    from bench.sim.run import run_policy
+    from allocsim.policies import Paged
+    from allocsim.run import run_policy
 
     if scenario.capacity < block_size:
         return {"admitted": 0, "rejected": len(scenario.requests), "growth_failures": 0, "peak_waste": 0,

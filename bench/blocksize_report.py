@@ -15,7 +15,7 @@ import json
 
 FIELDS = {  # top-level per-size key -> where it comes from
     "admitted/rejected/preemptions/completed/peak_waste/peak_reserved": "engine, seed trace (80 slots)",
-    "sim_*": "allocator simulator (bench.sim paged policy), seed trace",
+    "sim_*": "allocator simulator (allocsim paged policy), seed trace",
     "alloc_us_per_step/attn_ms_per_step/attn_ms_per_prefill_token/tpot_ms/tokens_per_s":
         "engine, mixed trace (median of the timed repeats)",
     "*_gather": "engine, mixed trace, one run with the decode mirror off (decode gathers K/V through the "

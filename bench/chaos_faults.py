@@ -159,8 +159,8 @@ def forged_import(t: Target) -> dict:
     and a manifest sent without a handshake must be refused too; nothing may land."""
     import torch
 
-    from bench.pools import fill_random_sequence, make_manager
     from kvcache.storage import KVLayout
+    from measure.pools import fill_random_sequence, make_manager
     from protocol.sampling import SamplingParams
     from transfer.errors import TransferError
     from transfer.messages import DecodeState

@@ -105,7 +105,7 @@ def run(json_path: str | None = None, steps: int = 16, rounds: int = 3) -> dict:
 
     if not cpu_attention.available():
         raise SystemExit("the CPU decode kernel is not available (no C compiler?): nothing to compare")
-    from bench.machine import describe, summary
+    from measure.machine import describe, summary
 
     torch.set_num_threads(1)
     where = describe()

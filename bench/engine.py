@@ -108,8 +108,8 @@ def run_engine(model: str, prompts: list[list[int]], max_tokens: int, block_size
     wall = time.perf_counter() - t0
     outs = [r.seqs[0].output_ids for r in reqs]
     tokens = sum(len(o) for o in outs)
-    from bench.machine import engine_paths
     from engine.weight_format import decode_weight_bytes
+    from measure.machine import engine_paths
 
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": len(steps),
             "paths": engine_paths(eng), "decode_weight_bytes": decode_weight_bytes(eng.model),
@@ -175,7 +175,7 @@ def run(num_prompts: int = 32, max_tokens: int = 64, min_prompt: int | None = No
         max_batched_tokens = DEFAULT_BUDGET.get(model, OTHER_BUDGET)
     min_prompt = low if min_prompt is None else min_prompt
     max_prompt = high if max_prompt is None else max_prompt
-    from bench.machine import describe, summary
+    from measure.machine import describe, summary
 
     where = describe()
     print(summary(where), flush=True)

@@ -33,7 +33,7 @@ class Template:
     chunks: list                    # [(frame, chunk, bytes, xxh3)]
     inline: bool                    # checksum_mode == "inline": chunk headers carry the checksum
     block_size: int                 # the sender's block size (selects the connection)
-    digest: int                     # bench.pools.kv_digest of the source sequence
+    digest: int                     # measure.pools.kv_digest of the source sequence
     seq_id: str                     # the source sequence (for dedupe cases)
     hashes: list = field(default_factory=list)  # prefix hashes at the receiver's block size
 

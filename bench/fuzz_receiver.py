@@ -49,8 +49,8 @@ def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int, secre
 
     import torch
 
-    from bench.pools import fill_random_sequence, kv_digest, make_manager
     from kvcache.storage import KVLayout
+    from measure.pools import fill_random_sequence, kv_digest, make_manager
     from transfer.errors import TransferError
     from transfer.metrics import TransferMetrics
     from transfer.transport import TransportConfig

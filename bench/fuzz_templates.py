@@ -15,8 +15,8 @@ def make_templates(seed: int):
     """Valid transfers of real exported sequences (several lengths, frames, modes, block sizes)."""
     import torch
 
-    from bench.pools import fill_random_sequence, kv_digest, make_manager
     from kvcache.storage import KVLayout
+    from measure.pools import fill_random_sequence, kv_digest, make_manager
     from transfer.blocks import prefix_hashes_at
     from transfer.checksum import checksum
     from transfer.codec import encode

@@ -6,7 +6,7 @@ against a plain read of the same bytes (torch sum, the same threads), and the sa
 1536 x 576 matrix called again and again (553 KB: it stays in L2), per 32-weight block of one
 row. If the pass over DRAM runs at the L2 rate, the kernel's arithmetic sets the pace, not the
 memory; if it runs well under it, the loads do. Alternating repeats, medians; JSON records where
-it ran (bench.machine)."""
+it ran (measure.machine)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def _blocks(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def run(threads: int = 1, repeats: int = 9, json_path: str | None = None) -> dict:
-    from bench import machine
     from engine.cpu_gguf import GgufLinear
+    from measure import machine
 
     torch.set_num_threads(threads)
     where = machine.describe()

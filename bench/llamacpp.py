@@ -217,7 +217,7 @@ class Baseline:
                ) -> dict:
         """The JSON section. engine_runs: bench engine's pdserve runs (alternating with these
         repeats, outputs still attached); hf_outputs: transformers' (float32) of the first repeat;
-        copy_gb_per_s: the run's measured memory copy bandwidth (bench.machine)."""
+        copy_gb_per_s: the run's measured memory copy bandwidth (measure.machine)."""
         from bench.step_bandwidth import bandwidth_use, step_weight_bytes
         from bench.weights import first_divergence
 

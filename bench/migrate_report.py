@@ -1,4 +1,4 @@
-"""Turn a migration benchmark report (from `bench.migrate`) into a summary and a two-panel plot
+"""Turn a migration benchmark report (from `measure.migrate`) into a summary and a two-panel plot
 (latency against tokens; GB/s of each transport against the baselines at the largest payload).
 
 The summary (`summarize`) holds, per transport:

@@ -1,7 +1,7 @@
 """The migration timeline of `pdserve bench migrate` as a Chrome trace (`--trace F.json`), which
 opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-Input: the report's `timeline`, one record per timed migration (`bench.migrate._measure`):
+Input: the report's `timeline`, one record per timed migration (`measure.migrate._measure`):
 transport, request_id, bytes, start_ms (sender clock, from the benchmark's start), export_ms and
 wire_ms (sender), receiver_ms (the Ack's `timings`: prepare_ms, recv_ms, land_ms, verify_ms,
 commit_ms, receive_ms, whichever the receiver reported; a missing key is a missing span).

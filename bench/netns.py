@@ -3,16 +3,16 @@ machine (root only): tests/netns_nodes.NetnsCluster starts a Ray head in the roo
 bridge and one Ray node in its own network and mount namespace (own address on a veth, own
 /dev/shm). The sender is this process, on the head; the receivers are on the namespaced node, so
 every byte crosses the node's veth (and its shaper):
-- zmq-tcp: `bench.migrate_peer` started inside the node's namespaces, its KV receiver bound on the
+- zmq-tcp: `measure.migrate_peer` started inside the node's namespaces, its KV receiver bound on the
   node's address (the same receiver and pool settings as `pdserve bench migrate`);
-- ray: the `bench.ray_receiver.PoolReceiver` actor, placed on the node (the head has no CPU), the
+- ray: the `measure.ray_receiver.PoolReceiver` actor, placed on the node (the head has no CPU), the
   payload through Ray's object store (ray-store: the node cannot map the sender's pool file);
 - nixl (when installed): ZeroMQ control, the node's NIXL agent reading the payload from the
   sender's registered pool over UCX, held to TCP (see run_bench);
 - raw_tcp: a plain TCP stream of the same bytes into a pre-touched buffer on the node, one
   connection, `sendall` + a one-byte reply per transfer (the link's own ceiling).
 Each rate in `rates` (tc syntax, e.g. 1gbit; "unlimited": no shaper) shapes the node's link both
-ways (tbf) and measures every point (bench.migrate._run_layout: export -> wire -> import, digest
+ways (tbf) and measures every point (measure.migrate._run_layout: export -> wire -> import, digest
 checked). Reported: GB/s at p50 per (rate, transport, tokens) and the ratio to raw_tcp.
 What it cannot stand in for: real NICs (a veth is a memory copy in one kernel), latency, RDMA.
 """
@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from bench.migrate import BenchConfig, _pct, _run_layout
-from bench.migrate_peer import PeerProcess
-from bench.pools import parse_kv_shape
+from measure.migrate import BenchConfig, _pct, _run_layout
+from measure.migrate_peer import PeerProcess
+from measure.pools import parse_kv_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SINK = r"""
@@ -69,7 +69,7 @@ def _in_node(cluster, i: int, argv: list[str], **kw) -> subprocess.Popen:
 
 
 class NodePeer(PeerProcess):
-    """bench.migrate_peer inside node i's namespaces, driven from the head's address; its KV
+    """measure.migrate_peer inside node i's namespaces, driven from the head's address; its KV
     receiver binds on the node's address."""
 
     def __init__(self, cluster, i: int, timeout: float = 120.0):
@@ -80,7 +80,7 @@ class NodePeer(PeerProcess):
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{cluster.head_ip}")
         self.node_ip, self.timeout = cluster.node_ip(i), timeout
-        self.proc = _in_node(cluster, i, [sys.executable, "-m", "bench.migrate_peer", "--control",
+        self.proc = _in_node(cluster, i, [sys.executable, "-m", "measure.migrate_peer", "--control",
                                           f"tcp://{cluster.head_ip}:{port}"])
         self.call(cmd="ping")
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import replace
 
 from bench.netns import _harness
-from bench.serve import QUICK, ServeBenchConfig, bench_target
-from bench.serve_report import fmt
+from measure.serve import QUICK, ServeBenchConfig, bench_target
+from measure.serve_report import fmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ("two_nodes", "one_node")

@@ -20,7 +20,7 @@ log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/study.log"; }
 }
 for w in long-prompt-long-output short-prompt-long-output long-prompt-short-output mixed trace; do
   if [ "$w" = trace ]; then
-    load=(--trace bench/traces/small.jsonl)
+    load=(--trace measure/traces/small.jsonl)
   else
     load=(--preset "$w")
   fi

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
-from bench.pools import make_manager
 from kvcache.storage import KVLayout
+from measure.pools import make_manager
 from transfer.checksum import checksum_many
 from transfer.pull import ShmSource
 

@@ -16,7 +16,7 @@ each step costs when nothing waits). `--pin` places the two processes on two dif
 run `--torch-threads` torch threads (1, as every worker): with 2, an idle OpenMP pool's threads
 spin after each torch op and take the core an I/O thread needs (pinned, on the development
 machine: 5.0 ms a move instead of 1.3). The child reports its stamps as one JSON line (nothing
-pickled). JSON with the machine (bench.machine.describe).
+pickled). JSON with the machine (measure.machine.describe).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import time
 import torch
 import zmq
 
-from bench.machine import describe
-from bench.pools import fill_random_sequence, make_manager, parse_kv_shape
-from bench.ray_receiver import release_import
 from kvcache.storage import KVLayout
+from measure.machine import describe
+from measure.pools import fill_random_sequence, make_manager, parse_kv_shape
+from measure.ray_receiver import release_import
 from transfer.checksum import checksum, copy_hashed
 from transfer.codec import decode, encode, seal, unseal
 from transfer.export import ExportConfig, export_sequence

@@ -1,6 +1,6 @@
 """Issue 27's bandwidth measure of a single-stream decode step: the weight bytes one step reads
 over the step time, and that as a fraction of the memory copy bandwidth measured in the same run
-(bench.machine). `bench weights` applies it to each of pdserve's weight formats, `bench engine` to
+(measure.machine). `bench weights` applies it to each of pdserve's weight formats, `bench engine` to
 pdserve and to llama.cpp on the same GGUF file (`step_weight_bytes`: what llama.cpp's step reads).
 """
 

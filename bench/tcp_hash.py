@@ -110,7 +110,7 @@ def main(argv=None) -> None:
         return receiver(a.peer, a.rx, a.window, a.repeats)
     if CHUNK % a.window:
         ap.error(f"--window must divide {CHUNK}")
-    from bench.machine import describe, summary
+    from measure.machine import describe, summary
 
     machine = describe()
     print(summary(machine), flush=True)

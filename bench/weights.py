@@ -15,7 +15,7 @@ whose argmax equals f32's. Perplexity on that text (one full forward, exp of the
 likelihood). Speed: single-stream decode through LLMEngine (one sequence, decode-only steps
 timed), median step time and tokens/s, and a batched run (`batch` sequences). Bandwidth: the
 matrix bytes one single-row decode step reads (engine.weight_format) divided by the median step
-time, against the copy bandwidth measured in the same run (bench.machine). One format's model is
+time, against the copy bandwidth measured in the same run (measure.machine). One format's model is
 held at a time. JSON records where it ran (convention 16).
 """
 
@@ -146,8 +146,8 @@ def decode_rows(model) -> int:
 
 def run(formats: tuple[str, ...] = ("f32", "bf16", "int8", "gguf", "gguf-q8"), new_tokens: int = 48,
         batch: int = 8, json_path: str | None = None) -> dict:
-    from bench import machine
     from bench.step_bandwidth import bandwidth_use
+    from measure import machine
 
     where = machine.describe()
     print(machine.summary(where), flush=True)

@@ -6,7 +6,7 @@ uncached tokens there costs it about `p * L` ms (p: prefill ms per token, `pdser
 disaggregating costs it the migration's receiving side, about `m0 + m1 * L` ms, whose fixed
 part m0 (handshake round trips, manifests, commit) dominates short prompts. Below the
 crossover `L* = m0 / (p - m1)` a local prefill is cheaper for everyone: that crossover, measured
-on this machine, is the default `local_prefill_max_tokens` (bench.profile prints it for any
+on this machine, is the default `local_prefill_max_tokens` (planner.profile prints it for any
 model, block size and device). The prefix the decode worker already caches is not prefilled
 again, so only the uncached part counts; each request queued at the prefill worker delays a
 remote prefill by about one more prompt, so the limit grows with that queue (at most

@@ -3,7 +3,7 @@ block allocator with ref counts, a two-queue free list and prefix hashes (`alloc
 manager that owns per-sequence block tables (`table`), prefix matching, copy-on-write, fork and
 swap (`manager`, with the swap copies in `swap` and the table check in `integrity`). It knows
 nothing of requests, models, workers or transports. The allocator-policy simulator of the second
-seed, built on the same allocator, lives in `bench/sim/`.
+seed, built on the same allocator, lives in `allocsim/`.
 """
 
 from kvcache.allocator import BlockAllocator, IntegrityError, hash_block

@@ -49,8 +49,9 @@ def run(args) -> int:
     import json
     from dataclasses import replace
 
-    from bench.migrate import QUICK, BenchConfig, run_bench
+    from bench.baselines import Baselines
     from bench.migrate_report import format_summary, plot, summarize
+    from measure.migrate import QUICK, BenchConfig, run_bench
 
     cfg = QUICK if args.quick else BenchConfig()
     over = {}
@@ -79,7 +80,7 @@ def run(args) -> int:
     cfg = replace(cfg, **over)
     print(f"bench migrate: shapes {cfg.kv_shapes}, tokens {cfg.tokens}, block sizes {cfg.block_sizes}, "
           f"transports {cfg.transports}, repeats {cfg.repeats}", flush=True)
-    report = run_bench(cfg, log=lambda s: print(s, flush=True))
+    report = run_bench(cfg, log=lambda s: print(s, flush=True), baselines=Baselines)
     print(format_summary(summarize(report)))
     if args.json:
         with open(args.json, "w") as f:

@@ -37,7 +37,7 @@ def _serve(args) -> dict:
     from dataclasses import replace
 
     from bench import netns_serve
-    from bench.serve import QUICK
+    from measure.serve import QUICK
 
     cfg = QUICK
     if args.serve_rates:

@@ -17,7 +17,7 @@ GROUP = "bench"
 
 
 PRESETS = ("long-prompt-long-output", "short-prompt-long-output", "long-prompt-short-output",
-           "mixed")  # loadgen's, bench.serve_mixed
+           "mixed")  # loadgen's, measure.serve_mixed
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -31,7 +31,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_arguments(p) -> None:
     import argparse
 
-    from bench.serve_slo import TPOT_MULTIPLE, TTFT_MULTIPLE
+    from measure.serve_slo import TPOT_MULTIPLE, TTFT_MULTIPLE
 
     p.add_argument("--quick", action="store_true",
                    help="the mixed preset, 20 requests per search step, 4 steps, colocated at chunk budgets "
@@ -53,7 +53,7 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", choices=PRESETS, help="length distributions (default long-prompt-long-output)")
     p.add_argument("--trace", metavar="FILE.jsonl", help="replay a Mooncake JSONL trace (timestamp ms, "
                    "input_length, output_length, hash_ids) instead of a preset, e.g. "
-                   "bench/traces/small.jsonl")
+                   "measure/traces/small.jsonl")
     p.add_argument("--time-scale", type=float, help="with --trace: replay at this time scale (2: half the "
                    "trace's rate) once, instead of the goodput search")
     p.add_argument("--modes", help="comma-separated: colocated,disaggregated,per_request (default all three)")
@@ -113,7 +113,7 @@ def _overrides(args, cfg) -> dict:
             raise ValueError("--time-scale replays a --trace")
         if not args.time_scale > 0:
             raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
-        from bench.serve_trace import mean_rate, read_mooncake
+        from measure.serve_trace import mean_rate, read_mooncake
 
         n = args.num_requests or cfg.num_requests
         over["rates"] = (mean_rate(read_mooncake(args.trace)[:n]) / args.time_scale,)
@@ -134,8 +134,8 @@ def run(args) -> int:
     import json
     from dataclasses import replace
 
-    from bench.serve import QUICK, ServeBenchConfig, run_bench
-    from bench.serve_report import format_goodput, format_goodput_search, format_overhead, format_table
+    from measure.serve import QUICK, ServeBenchConfig, run_bench
+    from measure.serve_report import format_goodput, format_goodput_search, format_overhead, format_table
 
     cfg = QUICK if args.quick else ServeBenchConfig()
     try:
@@ -143,7 +143,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         print(f"bad arguments: {e}")
         return 2
-    from bench.serve import p99_note, setups
+    from measure.serve import p99_note, setups
 
     where = cfg.url or (f"local Ray, setups {', '.join(s.label for s in setups(cfg))}; chunk budget "
                         f"{cfg.step_budget} tokens (disaggregated); workers "
@@ -172,7 +172,7 @@ def run(args) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot and report["runs"]:
-        from bench.serve_report import plot
+        from measure.serve_report import plot
 
         plot(report, args.plot)
         print(f"wrote {args.plot}")

@@ -8,7 +8,7 @@
    state (nothing owned), and shuts everything down, the Ray it started included.
 2. Then, with a sentence on why: the allocator-policy simulator on the shipped trace (table,
    JSON and figure under --out).
-The demo itself is `bench.demo`.
+The demo itself is `pdserve_cli.demo`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from bench.demo import run as demo
+    from pdserve_cli.demo import run as demo
 
     return demo(out=args.out, transport=args.transport, block_size=args.block_size,
                 decode_block_size=args.decode_block_size, model=args.model,

@@ -5,10 +5,10 @@ with coordinator.decide 'always' and 'auto') and print the best one, its predict
 TTFT/TPOT percentiles, whether disaggregation pays and why, and the per-request threshold; write
 JSON and a goodput-vs-rate plot (every configuration its own marker and line style, so lines that
 overlap stay visible). `--validate` serves the configurations that fit this machine with `bench
-serve` (the profile's model, or --model) and prints predicted beside measured (bench.plan).
+serve` (the profile's model, or --model) and prints predicted beside measured (planner).
 Without --profile it uses profile-MODEL.json from this directory or out/ (MODEL: --model,
 default smollm2), or says which command makes one. The SLOs, unless given in ms, are multiples
-of the model's unloaded TTFT and TPOT for the workload (bench serve's scaling, bench.serve_slo)."""
+of the model's unloaded TTFT and TPOT for the workload (bench serve's scaling, measure.serve_slo)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def add_arguments(p) -> None:
                    "(default: the profile's, else smollm2)")
     p.add_argument("--trace", metavar="FILE", help="requests: [{arrival_s, prompt_tokens, output_tokens, "
                    "prefix_id?, prefix_tokens?}], or a Mooncake JSONL trace (timestamp, input_length, "
-                   "output_length, hash_ids; e.g. bench/traces/small.jsonl), rescaled to each --rates value")
+                   "output_length, hash_ids; e.g. measure/traces/small.jsonl), rescaled to each --rates "
+                   "value")
     p.add_argument("--preset", help="bench serve's presets: long-prompt-short-output, "
                    "short-prompt-long-output, "
                    "mixed (default mixed unless --prompt/--output)")
@@ -85,7 +86,7 @@ def add_arguments(p) -> None:
 
 
 def _workload(args):
-    from bench.plan import workload as w
+    from planner import workload as w
 
     if args.trace:
         base = w.load_trace(args.trace)
@@ -104,8 +105,8 @@ def _slo(args, model, sample):
     context plus the serving path's per-token part), as bench serve scales them from measurement."""
     import statistics
 
-    from bench.serve_metrics import SLO
-    from bench.serve_slo import SLOScale, record, scaled
+    from measure.serve_metrics import SLO
+    from measure.serve_slo import SLOScale, record, scaled
 
     ttft = statistics.median(model.prefill_ms(r.prompt_tokens)
                              + model.colocated.ttft_ms(r.prompt_tokens, r.prompt_tokens, 0.0) for r in sample)
@@ -122,12 +123,12 @@ def run(args) -> int:
     import json
     import statistics
 
-    from bench.plan.des import SimConfig
-    from bench.plan.model import from_profile
-    from bench.plan.report import format_plan, plot, to_json
-    from bench.plan.search import Target, plan
-    from bench.serve_trace import is_mooncake
     from coordinator.config import ClusterConfig
+    from measure.serve_trace import is_mooncake
+    from planner.des import SimConfig
+    from planner.model import from_profile
+    from planner.report import format_plan, plot, to_json
+    from planner.search import Target, plan
 
     mooncake = bool(args.trace) and is_mooncake(args.trace)
     if args.validate and ((args.trace and not mooncake) or args.prompt or args.output):
@@ -169,7 +170,7 @@ def run(args) -> int:
                                       "attainment": args.attainment, "contention": model.contention,
                                       "overhead_ms": args.overhead_ms, "median_prompt": median_prompt})
     if args.validate:
-        from bench.plan.validate import format_validate, run_validate
+        from planner.validate import format_validate, run_validate
 
         v = run_validate(model, args.rates, args.validate_requests, slo, model.contention or 1.0,
                          log=lambda m: print(m, flush=True), preset=args.preset or "mixed",
@@ -179,7 +180,7 @@ def run(args) -> int:
         print(format_validate(v))
         out["validate"] = v
     for saved in args.resimulate:
-        from bench.plan.validate import format_validate, resimulate
+        from planner.validate import format_validate, resimulate
 
         with open(saved) as f:
             v = resimulate(model, json.load(f)["validate"], model.contention or 1.0)

@@ -4,7 +4,7 @@ time against batch size and context, KV migration time against bytes over one tr
 and, unless --no-serving, the serving path's per-request and per-token overheads (real clusters,
 sequential requests) and the contention of two engines stepping at once), write it as JSON and
 print a short table with the fitted rates and the suggested `local_prefill_max_tokens` for
-`ClusterConfig` (bench.profile)."""
+`ClusterConfig` (planner.profile)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def run(args) -> int:
     import json
     from dataclasses import replace
 
-    from bench.profile import QUICK, ProfileConfig, format_profile, run_profile
+    from planner.profile import QUICK, ProfileConfig, format_profile, run_profile
 
     cfg = QUICK if args.quick else ProfileConfig()
     over = {k: v for k, v in (("model", args.model), ("block_size", args.block_size), ("device", args.device),

@@ -1,6 +1,6 @@
 """`pdserve simulate`: run the allocator-policy simulator on a scenario (the shipped one by default),
 print one table row per policy, and optionally write the JSON results and the cache-layout figure.
-The simulator and its report live in `bench.sim`.
+The simulator and its report live in `allocsim`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from bench.sim.figure import FORMATS
-    from bench.sim.report import load, run_and_report, source_name
-    from bench.sim.scenario import ScenarioError
+    from allocsim.figure import FORMATS
+    from allocsim.report import load, run_and_report, source_name
+    from allocsim.scenario import ScenarioError
 
     if args.figure and not args.figure.lower().endswith(FORMATS):
         print(f"pdserve simulate: --figure {args.figure}: extension must be one of {', '.join(FORMATS)}",

@@ -9,7 +9,7 @@ decode worker's commands do: `Rx.call(fn, *args)` runs `fn(endpoint, *args)` the
 
 - zmq, nixl: the endpoint from the registry's `make_receiver` (a `ZmqReceiver`), polled on a
   background thread (`Polled`) that runs queued calls between polls (woken by `wake()`).
-- ray: the endpoint is a `bench.ray_receiver.PoolReceiver` actor (named, so the registry's
+- ray: the endpoint is a `measure.ray_receiver.PoolReceiver` actor (named, so the registry's
   `make_sender` finds it); calls run in the actor through `__ray_call__`, in order with the
   senders' channel calls. This module is pickled by value for that (`Rig`), so the owner-side
   functions below must only use what a worker process can import (bench, kvcache, transfer,
@@ -29,8 +29,8 @@ from collections import Counter
 
 import torch
 
-from bench.pools import make_manager
 from kvcache.storage import KVLayout
+from measure.pools import make_manager
 from transfer import errors as E
 from transfer import registry
 from transfer.faults import Faults
@@ -183,7 +183,7 @@ class Polled:
 
 
 class InActor:
-    """A receiving actor (`bench.ray_receiver.PoolReceiver`): calls run in it, in order."""
+    """A receiving actor (`measure.ray_receiver.PoolReceiver`): calls run in it, in order."""
 
     def __init__(self, actor):
         self.actor = actor
@@ -290,7 +290,7 @@ class Rig:
         if self.name == "ray":
             import ray
 
-            from bench.ray_receiver import PoolReceiver
+            from measure.ray_receiver import PoolReceiver
 
             actor = ray.remote(num_cpus=0.1)(PoolReceiver).options(name=rx_name, namespace=NAMESPACE).remote(
                 (SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["head_dim"], block_size, SHAPE["dtype"]),

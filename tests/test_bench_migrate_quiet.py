@@ -1,5 +1,5 @@
 """`pdserve bench migrate` over NIXL prints its own progress only: NIXL's INFO lines (one per agent
-and backend made) are kept out (bench.migrate.quiet_nixl). One tiny point, in a subprocess (NIXL
+and backend made) are kept out (measure.migrate.quiet_nixl). One tiny point, in a subprocess (NIXL
 reads NIXL_LOG_LEVEL when first imported)."""
 
 import os

@@ -15,9 +15,9 @@ import threading
 import numpy as np
 import pytest
 
-from bench import serve as bs
-from bench import serve_metrics as sm
-from bench.loadgen import (
+from measure import serve as bs
+from measure import serve_metrics as sm
+from measure.loadgen import (
     PRESETS,
     PROMPT_ID_RANGE,
     LengthDist,
@@ -71,7 +71,7 @@ def test_length_distributions():
 def test_presets_and_requests_have_exact_lengths():
     from pdserve_cli.cmd_bench_serve import PRESETS as CLI_PRESETS
 
-    assert set(CLI_PRESETS) == set(PRESETS) | {"mixed"}  # mixed: bench.serve_mixed
+    assert set(CLI_PRESETS) == set(PRESETS) | {"mixed"}  # mixed: measure.serve_mixed
     assert set(PRESETS) == {"long-prompt-short-output", "short-prompt-long-output", "long-prompt-long-output"}
     means = {}
     for name in PRESETS:
@@ -234,7 +234,7 @@ def test_streamed_and_whole_disaggregated_runs_are_labelled_in_one_invocation(se
     ClusterConfig it was given (stream_migration on, then off, then the colocated one; the same
     step budget in all three)."""
     import deploy.launch as dl
-    from bench.serve_report import format_goodput, format_overhead, format_table
+    from measure.serve_report import format_goodput, format_overhead, format_table
 
     port = int(server_url.rsplit(":", 1)[1])
     configs = []
@@ -317,17 +317,17 @@ def test_the_goodput_search_runs_on_the_server_and_a_trace_replays(server_url, t
     assert rep["slo_scaling"]["ttft_multiple"] == 5.0 and rep["slo_scaling"]["tpot_multiple"] == 2.0
     trace = tmp_path / "trace.json"
     code = main(["bench", "serve", "--model", "tiny", "--url", server_url, "--mode", "colocated",
-                 "--trace", "bench/traces/small.jsonl", "--time-scale", "0.05", "--num-requests", "4",
+                 "--trace", "measure/traces/small.jsonl", "--time-scale", "0.05", "--num-requests", "4",
                  "--ttft-slo-ms", "60000", "--tpot-slo-ms", "60000", "--json", str(trace)])
     rep = json.loads(trace.read_text())
-    from bench.serve_trace import read_mooncake
+    from measure.serve_trace import read_mooncake
 
-    recs = read_mooncake("bench/traces/small.jsonl")[:4]
+    recs = read_mooncake("measure/traces/small.jsonl")[:4]
     (run,) = rep["runs"]
     assert code == 0 and run["completed"] == 4 and run["time_scale"] == pytest.approx(0.05)
     assert run["total_input_tokens"] == sum(r.input_length for r in recs)
     assert run["total_output_tokens"] == sum(r.output_length for r in recs)
-    assert rep["config"]["trace"] == "bench/traces/small.jsonl"
+    assert rep["config"]["trace"] == "measure/traces/small.jsonl"
     assert rep["slo_scaling"]["ttft_multiple"] is None
 
 

@@ -1,6 +1,6 @@
 """One conformance suite for every registered KV transport (`transfer.registry.names()`): the same
 checks, through each transport's own sender (`make_sender`) and receiver (a `ZmqReceiver` polled on a
-thread for zmq and nixl, a `bench.ray_receiver.PoolReceiver` actor for ray), over real sockets, real
+thread for zmq and nixl, a `measure.ray_receiver.PoolReceiver` actor for ray), over real sockets, real
 Ray actors and real NIXL agents (harness: channel_harness.py). Receivers sign handshakes with a
 cluster secret and are reset to a clean pool before each test.
 
@@ -28,8 +28,8 @@ import pytest
 import torch
 from channel_harness import SECRET, SENDER, SHAPE, Rig, feed, in_thread, kv_bytes, pool, snapshot
 
-from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from transfer import errors as E
 from transfer import registry
 from transfer.blocks import prefix_hashes_at

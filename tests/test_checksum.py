@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from transfer import checksum as C
 from transfer.export import ExportConfig, export_sequence
 

@@ -18,11 +18,11 @@ pytest.importorskip("ray")
 import cluster_client as cc  # noqa: E402
 import torch  # noqa: E402
 
-from bench.pools import fill_random_sequence, make_manager  # noqa: E402
 from coordinator.cluster import ClusterConfig  # noqa: E402
 from deploy.launch import ClusterServer  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from kvcache.storage import KVLayout  # noqa: E402
+from measure.pools import fill_random_sequence, make_manager  # noqa: E402
 from transfer.errors import NotAdmitted  # noqa: E402
 from transfer.messages import DecodeState  # noqa: E402
 from transfer.transport import TransportConfig  # noqa: E402

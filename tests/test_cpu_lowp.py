@@ -122,7 +122,7 @@ def test_greedy_on_the_tiny_model_through_the_engine():
 
 
 def test_machine_record():
-    from bench import machine
+    from measure import machine
 
     d = machine.describe()
     assert d["memory_copy_gb_per_s"] > 0
@@ -132,7 +132,7 @@ def test_machine_record():
 
 
 def test_machine_record_names_the_instruction_sets_it_was_held_to(monkeypatch):
-    from bench import machine
+    from measure import machine
 
     monkeypatch.delenv("PDSERVE_KERNEL_MARCH", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")

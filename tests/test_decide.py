@@ -60,7 +60,7 @@ def test_bad_config_is_refused():
 
 
 def test_profile_crossover_is_where_local_prefill_costs_what_a_migration_does():
-    from bench.profile import crossover
+    from planner.profile import crossover
 
     assert crossover(0.02, 1.0, 0.0) == 50         # 50 tokens x 0.02 ms = the migration's fixed 1 ms
     assert crossover(0.02, 1.0, 0.01) == 100       # 100 x 0.02 = 1 + 100 x 0.01

@@ -11,9 +11,9 @@ import time
 import torch
 from worker_harness import in_process
 
-from bench.pools import fill_random_sequence, make_manager
 from decode_worker.worker import DecodeWorker
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from protocol.codec import decode, encode
 from protocol.messages import Imported, RequestFailed, Reserve, Tokens
 from protocol.sampling import SamplingParams

@@ -80,7 +80,7 @@ def _in_order(out: str, *parts: str) -> bool:
 def test_demo_leads_with_the_cluster_and_labels_a_random_model(tmp_path, capsys, monkeypatch):
     """The order and the label, without Ray: the cluster part is stood in for (the slow test below
     runs the real one)."""
-    from bench import demo
+    from pdserve_cli import demo
 
     def cluster(transport, block_size, decode_block_size, model, weights):
         print(f"cluster up ({model}, {weights})")

@@ -13,7 +13,7 @@ import torch
 import zmq
 from zmq_helpers import Served, pool
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from protocol.curve import kv_keys
 from transfer import errors as E
 from transfer.transport import TransportConfig

@@ -16,7 +16,7 @@ import torch
 import zmq
 from zmq_helpers import Served, pool
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from protocol.curve import ClusterKeys, hmac_verify, new_nonce
 from transfer import errors as E
 from transfer import stream_open

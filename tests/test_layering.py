@@ -1,9 +1,10 @@
-"""Imports flow one way: pdserve_cli/bench -> deploy -> coordinator -> workers -> runtime ->
-transfer/engine -> kvcache -> protocol/model_files. Every import of every package module,
-including the ones inside functions, is read with `ast`; sibling packages on one layer
-(prefill_worker and decode_worker, transfer and engine) never import each other, and nothing in
-the runtime imports bench. The coordinator imports neither the engine nor torch (it tokenizes
-through model_files), and loading every coordinator module loads neither.
+"""Imports flow one way: pdserve_cli/bench -> planner -> measure/allocsim -> deploy -> coordinator ->
+workers -> runtime -> transfer/engine -> kvcache -> protocol/model_files. Every import of every package
+module, including the ones inside functions, is read with `ast`; sibling packages on one layer
+(prefill_worker and decode_worker, transfer and engine) never import each other, and nothing outside
+bench/ and tests/ imports bench but the CLI's `bench` commands (pdserve_cli/cmd_bench_*.py). The
+coordinator imports neither the engine nor torch (it tokenizes through model_files), and loading every
+coordinator module loads neither.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ LAYERS = [
     {"prefill_worker", "decode_worker", "colocated_worker"},
     {"coordinator"},
     {"deploy"},
+    {"measure", "allocsim"},  # product features' measurements and the allocator simulator
+    {"planner"},  # `pdserve plan` / `pdserve profile`: measures with measure/
     {"bench", "pdserve_cli"},
 ]
 LAYER = {package: level for level, packages in enumerate(LAYERS) for package in packages}
-ALLOWED_UPWARD = {("pdserve_cli", "bench")}  # the CLI's `bench` commands call into bench/
+ALLOWED_UPWARD = {("pdserve_cli", "bench")}  # the CLI's `bench` commands call into bench/ (bench_importers)
 # (package, what it never imports, even downward): the coordinator runs without the model's code
 FORBIDDEN = {("coordinator", name) for name in ("engine", "torch", "triton")} | \
             {("model_files", name) for name in ("torch", "triton")}
@@ -53,6 +56,38 @@ def violations(root: Path = ROOT) -> list[str]:
                 if upward or (package, target) in FORBIDDEN:
                     bad.append(f"{path.relative_to(root)}:{line} imports {target}")
     return bad
+
+
+def bench_importers(root: Path = ROOT) -> list[str]:
+    """Every import of bench from a .py file outside bench/ and tests/ (the virtual environment,
+    build output and hidden folders aside), but for the CLI's `bench` commands."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("bench", "tests", ".venv", "build", "out") or rel.parts[0].startswith(".") \
+                or (rel.parts[0] == "pdserve_cli" and rel.name.startswith("cmd_bench_")):
+            continue
+        bad += [f"{rel}:{line} imports bench" for line, target in imports_of(path) if target == "bench"]
+    return bad
+
+
+def test_only_the_bench_commands_import_bench():
+    """bench/ holds benchmarks only: no product module, script or the CLI's other commands import it."""
+    assert bench_importers() == []
+
+
+def test_the_bench_check_sees_a_product_import(tmp_path):
+    """The rule can fail: a nested import of bench from a product package or a non-bench command is
+    reported; the `bench` commands, bench/ and tests/ are not."""
+    for rel, text in (("planner/x.py", "def f():\n    import bench.serve\n"),
+                      ("pdserve_cli/cmd_plan.py", "from bench import serve\n"),
+                      ("pdserve_cli/cmd_bench_serve.py", "import bench\n"),
+                      ("bench/serve.py", "import bench\n"), ("tests/test_x.py", "import bench\n"),
+                      ("tool.py", "x = 1\n")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert bench_importers(tmp_path) == ["pdserve_cli/cmd_plan.py:1 imports bench",
+                                         "planner/x.py:2 imports bench"]
 
 
 def test_imports_flow_one_way():

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served
 from transfer import registry
 from transfer.nixl_api import ucx_net_devices

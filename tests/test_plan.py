@@ -1,4 +1,4 @@
-"""pdserve plan (bench.plan): the discrete-event model against hand-computed cases, and the two
+"""pdserve plan (planner): the discrete-event model against hand-computed cases, and the two
 hand-checkable verdicts (do not disaggregate: migration dominates short prompts; disaggregate:
 long prompts' chunks stretch the decode steps they share under a tight TPOT SLO). No cluster."""
 
@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from bench.plan.des import SimConfig, simulate
-from bench.plan.metrics import summarize
-from bench.plan.model import from_profile, synthetic
-from bench.plan.search import Target, plan
-from bench.plan.workload import Req, from_distributions, parse_dist
-from bench.serve_metrics import SLO
+from measure.serve_metrics import SLO
+from planner.des import SimConfig, simulate
+from planner.metrics import summarize
+from planner.model import from_profile, synthetic
+from planner.search import Target, plan
+from planner.workload import Req, from_distributions, parse_dist
 
 
 def test_single_request_first_token_at_prefill_then_migration():
@@ -105,7 +105,7 @@ def test_long_prompts_tight_tpot_disaggregate_interference():
 
 
 def test_fit_ttft_recovers_a_per_token_and_cold_term():
-    from bench.plan.serving import ServingPath, fit_ttft
+    from planner.serving import ServingPath, fit_ttft
 
     truth = ServingPath(request_ms=3.0, request_ms_per_token=0.004, request_ms_per_prompt_token=0.002,
                         cold_ms=6.0, cold_tau_ms=40.0)
@@ -149,7 +149,7 @@ def test_profiles_with_older_or_no_serving_fields_load():
 
 
 def test_cold_cost_after_idle_and_per_computed_token():
-    from bench.plan.serving import ServingPath
+    from planner.serving import ServingPath
 
     path = ServingPath(request_ms=1.0, request_ms_per_token=0.1, request_ms_per_prompt_token=0.01,
                        cold_ms=10.0, cold_tau_ms=1e-9)
@@ -172,7 +172,7 @@ def test_cold_cost_after_idle_and_per_computed_token():
 def test_the_cold_cost_follows_the_engine_a_request_lands_on():
     """Idle is per engine: a request routed to an idle worker while another one decodes pays the
     cold part (the cluster as a whole is busy); one queued on the decoding worker does not."""
-    from bench.plan.serving import ServingPath
+    from planner.serving import ServingPath
 
     path = ServingPath(cold_ms=10.0, cold_tau_ms=1e-9)
     m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=0.1, decode_fixed_ms=1.0, decode_ms_per_seq=0.0,
@@ -207,7 +207,7 @@ def test_a_prefill_chunk_that_ends_no_prompt_sends_no_report():
 
 
 def test_least_loaded_routing_and_local_prefill_pays_the_colocated_path():
-    from bench.plan.serving import ServingPath
+    from planner.serving import ServingPath
 
     m = synthetic(prefill_fixed_ms=0.0, prefill_ms_per_token=1.0, migration_fixed_ms=1.0)
     m = replace(m, colocated=ServingPath(request_ms=2.0), disaggregated=ServingPath(request_ms=7.0))
@@ -244,7 +244,7 @@ def test_routing_reads_the_last_report_and_the_loop_occupies_the_engine():
 
 
 def test_validate_ranking_pairs_and_errors():
-    from bench.plan.validate import _err, _pairs
+    from planner.validate import _err, _pairs
 
     pairs = _pairs({"a": 10.0, "b": 9.0, "c": 9.9}, {"a": 5.0, "b": 6.0, "c": 4.0})
     assert [(p["pair"], round(p["measured_gap"], 2), p["same_order"]) for p in pairs] == [
@@ -253,7 +253,7 @@ def test_validate_ranking_pairs_and_errors():
 
 
 def test_validate_counts_only_the_pairs_its_measurement_separates():
-    from bench.plan.validate import _pairs, ranking_matches
+    from planner.validate import _pairs, ranking_matches
 
     # 40 requests in 4 s at each of two rates; "a" met its SLOs 38 times, "b" 20, "c" 37
     def runs(good):
@@ -275,7 +275,7 @@ def test_a_goodput_gap_from_wall_clock_alone_is_a_tie():
     """Every request met its SLOs in both runs; one merely ended 10 ms later, so its goodput reads
     0.2% lower. The flags cannot tell the two apart: a tie, not a separated pair (an unpaired
     bootstrap over the flags alone saw no spread at all and called the gap real)."""
-    from bench.plan.validate import _pairs
+    from planner.validate import _pairs
 
     flags = {"a": {10.0: ([True] * 60, 6.00)}, "b": {10.0: ([True] * 60, 6.01)}}
     measured = {k: sum(sum(f) / d for f, d in r.values()) for k, r in flags.items()}
@@ -303,10 +303,10 @@ def test_resimulate_predicts_a_saved_validation_again(preset):
     # a saved `plan --validate` (two cells; one kept its per-request SLO flags, one predates them):
     # the measured cells stay as they were, the predictions are the new model's on the very
     # requests bench serve sent for that seed and preset (saves without one ran "mixed")
-    from bench.plan.metrics import summarize
-    from bench.plan.validate import SETUPS, _serve_config, resimulate
-    from bench.plan.workload import from_specs
-    from bench.serve import _requests
+    from measure.serve import _requests
+    from planner.metrics import summarize
+    from planner.validate import SETUPS, _serve_config, resimulate
+    from planner.workload import from_specs
 
     m = synthetic(prefill_fixed_ms=1.0, prefill_ms_per_token=0.02, decode_fixed_ms=1.0, decode_ms_per_seq=0.1)
     cell = {"ttft_p50": 20.0, "ttft_p99": 40.0, "tpot_p50": 2.0, "tpot_p99": 3.0, "goodput": 1.5}
@@ -359,7 +359,7 @@ def test_ttft_per_prompt_class_on_the_same_requests():
     # the class is the measured computed length (prompt - cached) against the threshold (80)
     from types import SimpleNamespace
 
-    from bench.plan.validate import by_class, format_validate
+    from planner.validate import by_class, format_validate
 
     def out(arrival, first):
         return SimpleNamespace(req=SimpleNamespace(arrival_s=arrival), first_s=first)

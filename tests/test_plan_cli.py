@@ -58,13 +58,13 @@ def test_plan_without_a_profile_finds_one_or_names_the_command(tmp_path, monkeyp
 
 
 def test_plan_reads_a_mooncake_trace_and_scales_its_slos(tmp_path, capsys):
-    from bench.plan.model import from_profile
-    from bench.plan.workload import load_trace
+    from planner.model import from_profile
+    from planner.workload import load_trace
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({"fits": FITS, "decode": [], "config": {"block_size": 16}}))
     out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
-    rc = main(["plan", "--profile", str(prof), "--trace", "bench/traces/small.jsonl", "--rates", "2,4",
+    rc = main(["plan", "--profile", str(prof), "--trace", "measure/traces/small.jsonl", "--rates", "2,4",
                "--tpot-slo-scale", "3", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     plan = json.loads(out_json.read_text())
@@ -74,7 +74,7 @@ def test_plan_reads_a_mooncake_trace_and_scales_its_slos(tmp_path, capsys):
     assert slo["ttft_ms"] == 5.0 * scaling["unloaded_ttft_ms"]
     assert slo["tpot_ms"] == 3.0 * scaling["unloaded_tpot_ms"]
     model = from_profile(json.loads(prof.read_text()))
-    reqs = load_trace("bench/traces/small.jsonl")
+    reqs = load_trace("measure/traces/small.jsonl")
     path = model.colocated
     unloaded = [model.prefill_ms(r.prompt_tokens) + path.ttft_ms(r.prompt_tokens, r.prompt_tokens, 0.0)
                 for r in reqs]
@@ -85,8 +85,8 @@ def test_plan_reads_a_mooncake_trace_and_scales_its_slos(tmp_path, capsys):
 
 
 def test_mooncake_prefixes_are_the_longest_leading_ids_shared():
-    from bench.plan.workload import from_mooncake
-    from bench.serve_trace import TraceRecord
+    from measure.serve_trace import TraceRecord
+    from planner.workload import from_mooncake
 
     recs = [TraceRecord(0.0, 1100, 4, (7, 8, 9)), TraceRecord(500.0, 700, 4, (7, 8)),
             TraceRecord(1000.0, 600, 4, (7, 5)), TraceRecord(2000.0, 100, 4, (1,))]
@@ -97,7 +97,7 @@ def test_mooncake_prefixes_are_the_longest_leading_ids_shared():
 
 
 def test_the_plot_gives_every_configuration_its_own_marker_and_line_style():
-    from bench.plan.report import figure
+    from planner.report import figure
 
     points = [{"rate": 1.0, "goodput_req_s": 1.0}, {"rate": 2.0, "goodput_req_s": 2.0}]
     rows = [{"config": f"c{i}", "points": points} for i in range(5)]  # five configurations on one line
@@ -109,11 +109,11 @@ def test_the_plot_gives_every_configuration_its_own_marker_and_line_style():
 
 
 def test_profile_and_validation_serve_the_model_asked_for():
-    from bench.plan.validate import _serve_config
-    from bench.profile import ProfileConfig
-    from bench.serve import setups
-    from bench.serve_metrics import SLO
+    from measure.serve import setups
+    from measure.serve_metrics import SLO
     from pdserve_cli.cmd_up import DEFAULTS
+    from planner.profile import ProfileConfig
+    from planner.validate import _serve_config
 
     assert ProfileConfig().model == DEFAULTS["model"] == "smollm2"  # profile defaults to up's model
     cfg = _serve_config([1.0], 10, SLO(ttft_ms=900.0, tpot_ms=40.0), model="smollm2", step_budget=256)

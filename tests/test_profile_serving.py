@@ -1,16 +1,16 @@
-"""bench.profile_serving without a cluster: the measured request shapes and the isolated requests'
+"""planner.profile_serving without a cluster: the measured request shapes and the isolated requests'
 schedule, the idle time before each request from client records, and the rows
-bench.plan.serving.fit_ttft fits, on records made by hand from a known serving path."""
+planner.serving.fit_ttft fits, on records made by hand from a known serving path."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.loadgen import RequestRecord
-from bench.plan.model import synthetic
-from bench.plan.serving import ServingPath, fit_ttft
-from bench.profile_serving import OWN, _idle, _rows, _run_s, back_to_back, isolated, shapes
+from measure.loadgen import RequestRecord
+from planner.model import synthetic
+from planner.profile_serving import OWN, _idle, _rows, _run_s, back_to_back, isolated, shapes
+from planner.serving import ServingPath, fit_ttft
 
 
 def test_shapes_and_isolated_schedule_leave_the_planned_gap_after_each_expected_end():
@@ -81,7 +81,7 @@ def test_disaggregated_rows_put_the_migration_in_tpot_not_ttft():
 
 
 def test_served_contention_is_the_median_pair_ratio_and_skips_a_pair_on_one_worker():
-    from bench.profile_serving import contention_of
+    from planner.profile_serving import contention_of
 
     def stream(index, step_ms, worker):
         r = _record(index, 128, 0.0, 5.0, out=11, step_ms=step_ms)

@@ -1,14 +1,14 @@
-"""The goodput search (bench.serve_goodput) against hand-made attainment curves: it brackets the
+"""The goodput search (measure.serve_goodput) against hand-made attainment curves: it brackets the
 rate where attainment falls below 90%, grows and shrinks to find it, stops within its tolerance or
-its step budget, and its bootstrap interval holds the bracket; SLO scaling (bench.serve_slo)."""
+its step budget, and its bootstrap interval holds the bracket; SLO scaling (measure.serve_slo)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import serve_goodput as sg
-from bench import serve_slo
-from bench.serve_metrics import SLO
+from measure import serve_goodput as sg
+from measure import serve_slo
+from measure.serve_metrics import SLO
 
 
 def _curve(capacity: float, n: int = 40):
@@ -103,7 +103,7 @@ def test_run_length_estimate_from_the_unloaded_times():
 
 
 def test_the_search_keeps_within_its_span_as_bench_serve_sets_it():
-    from bench.serve import ServeBenchConfig, _search_config
+    from measure.serve import ServeBenchConfig, _search_config
 
     scfg = _search_config(ServeBenchConfig(search_span=4.0, search_steps=6), 2.0)
     assert (scfg.min_rate, scfg.max_rate, scfg.steps) == (0.5, 8.0, 6)

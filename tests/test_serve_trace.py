@@ -1,4 +1,4 @@
-"""The Mooncake trace reader (bench.serve_trace): token content fixed per hash id, shared ids give
+"""The Mooncake trace reader (measure.serve_trace): token content fixed per hash id, shared ids give
 shared prefixes, the last block cut to input_length, the time scale, typed errors for bad lines,
 and the shipped trace is what its generator makes."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench import serve_trace as st
-from bench.loadgen import PROMPT_ID_RANGE
+from measure import serve_trace as st
+from measure.loadgen import PROMPT_ID_RANGE
 
 
 def _write(tmp_path, rows, name="t.jsonl"):
@@ -81,7 +81,7 @@ def test_format_is_recognised(tmp_path):
 
 
 def test_the_shipped_trace_is_its_generators_output(tmp_path):
-    from bench.traces import generate
+    from measure.traces import generate
 
     out = tmp_path / "again.jsonl"
     generate.write(generate.generate(), str(out))

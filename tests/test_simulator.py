@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.sim.policies import make_policies
-from bench.sim.run import StepStats, results_to_json, run_policy, simulate
-from bench.sim.scenario import ScenarioError, load_default_scenario, load_scenario, parse_scenario
+from allocsim.policies import make_policies
+from allocsim.run import StepStats, results_to_json, run_policy, simulate
+from allocsim.scenario import ScenarioError, load_default_scenario, load_scenario, parse_scenario
 from kvcache.allocator import BlockAllocator
 from pdserve_cli.main import main
 

@@ -12,7 +12,7 @@ import torch
 from channel_harness import feed
 from zmq_helpers import Served, kv_bytes, pool
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import stream_receiver
 from transfer.messages import DecodeState
 from transfer.metrics import TransferMetrics

@@ -14,7 +14,7 @@ import pytest
 import torch
 from zmq_helpers import Served, kv_bytes, pool, snapshot
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.messages import DecodeState
 from transfer.transport import TransportConfig

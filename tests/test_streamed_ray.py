@@ -1,5 +1,5 @@
 """Streamed migration over the Ray transport (transfer.ray_channel, transfer.ray_transport):
-in process against a real receiving actor (bench.ray_receiver.PoolReceiver, the decode worker's
+in process against a real receiving actor (measure.ray_receiver.PoolReceiver, the decode worker's
 endpoint over a synthetic pool): a lost offer (its final is nacked) or a final that does not continue
 the offer is refused whole and leaves both pools as they were. A call's headers are strict. A
 decode worker in process admits an offer only under its reservation, reports the stream's blocks
@@ -14,7 +14,7 @@ import pytest
 import torch
 from zmq_helpers import pool, snapshot
 
-from bench.pools import fill_random_sequence, kv_digest
+from measure.pools import fill_random_sequence, kv_digest
 from transfer import errors as E
 from transfer.faults import Faults
 from transfer.messages import DecodeState
@@ -28,7 +28,7 @@ POOL = ("free", "cached", "used", "tables")
 @pytest.fixture
 def actors(ray_local):
     """Receiving actors over a synthetic pool (layout of zmq_helpers.pool), killed afterwards."""
-    from bench.ray_receiver import PoolReceiver
+    from measure.ray_receiver import PoolReceiver
 
     made = []
 
@@ -130,9 +130,9 @@ def test_decode_worker_admits_a_stream_only_under_its_reservation_and_an_abort_e
     final is refused."""
     from worker_harness import in_process
 
-    from bench.pools import make_manager
     from decode_worker.worker import DecodeWorker
     from kvcache.storage import KVLayout
+    from measure.pools import make_manager
     from protocol.codec import decode as decode_command
     from protocol.codec import encode as encode_command
     from protocol.messages import Abort, Reserve

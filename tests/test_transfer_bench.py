@@ -92,12 +92,21 @@ def test_cheap_baselines_measure_something():
         assert nixl["gb_per_s"] > 0 and nixl["verified"], nixl
 
 
+def test_baselines_without_their_maker_are_refused():
+    """measure.migrate holds no baseline of its own: asking for them without bench's maker is an error
+    that says so, before anything starts."""
+    from measure.migrate import QUICK, run_bench
+
+    with pytest.raises(ValueError, match="baselines"):
+        run_bench(QUICK)
+
+
 def test_device_pools_refuse_the_ray_transports_and_only_device_runs_list_pinned_ratios():
     from dataclasses import replace
 
-    from bench.migrate import QUICK, run_bench
+    from measure.migrate import QUICK, run_bench
     with pytest.raises(ValueError, match="zmq transports only"):
-        run_bench(replace(QUICK, device="cuda", transports=("zmq-tcp", "ray")))
+        run_bench(replace(QUICK, device="cuda", transports=("zmq-tcp", "ray")), baselines=baselines.Baselines)
     row = {"transport": "zmq-tcp", "kv_shape": "tiny", "tokens": 16, "bytes": 1 << 20, "gb_per_s": 2.0,
            "manifest_ratio": 1e-3, "latency_ms_p50": 0.5, "verified": True}
     host = [{"name": "raw_tcp", "bytes": 1 << 20, "gb_per_s": 4.0}]

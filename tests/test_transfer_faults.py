@@ -7,7 +7,7 @@ import pytest
 import torch
 from zmq_helpers import Served, kv_bytes, pool, snapshot
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.faults import Faults
 from transfer.transport import TransportConfig

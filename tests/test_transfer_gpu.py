@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence
 from transfer.transport import TransportConfig

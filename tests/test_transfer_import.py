@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
 from transfer.codec import encode

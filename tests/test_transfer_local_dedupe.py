@@ -9,7 +9,7 @@ import torch
 from zmq_helpers import kv_bytes as kv
 from zmq_helpers import pool
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession, import_sequence
 

@@ -10,8 +10,8 @@ import contextlib
 import pytest
 import torch
 
-from bench.pools import fill_random_sequence, make_manager
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
 from transfer.checksum import checksum

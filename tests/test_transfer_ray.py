@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from bench.pools import fill_random_sequence, make_manager
-from bench.ray_receiver import PoolReceiver
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, make_manager
+from measure.ray_receiver import PoolReceiver
 from transfer import errors as E
 from transfer.ray_channel import RaySender
 from transfer.transport import TransportConfig

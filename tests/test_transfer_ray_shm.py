@@ -11,9 +11,9 @@ import msgpack
 import pytest
 import torch
 
-from bench.pools import fill_random_sequence, kv_digest, make_manager
-from bench.ray_receiver import PoolReceiver
 from kvcache.storage import KVLayout
+from measure.pools import fill_random_sequence, kv_digest, make_manager
+from measure.ray_receiver import PoolReceiver
 from transfer.export import export_sequence
 from transfer.ray_channel import RaySender
 from transfer.transport import TransportConfig

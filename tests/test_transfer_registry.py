@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.pools import make_manager
 from kvcache.storage import KVLayout
+from measure.pools import make_manager
 from transfer import registry
 from transfer.admission import OPEN
 from transfer.channel import ReceiverEndpoint

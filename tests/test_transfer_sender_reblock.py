@@ -12,7 +12,7 @@ import torch
 from zmq_helpers import Served, kv_bytes, pool, snapshot
 from zmq_helpers import kv_bytes as kv
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
 from transfer.export import ExportConfig, export_sequence

@@ -13,7 +13,7 @@ import torch
 import zmq
 from zmq_helpers import Served, kv_bytes, pool, snapshot
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.checksum import checksum
 from transfer.codec import encode, seal

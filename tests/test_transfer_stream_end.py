@@ -14,7 +14,7 @@ import torch
 import zmq
 from zmq_helpers import kv_bytes, pool, snapshot
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer.checksum import checksum
 from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence

@@ -11,7 +11,7 @@ import pytest
 import torch
 from zmq_helpers import Served, kv_bytes, pool
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable

@@ -12,7 +12,7 @@ import torch
 import zmq
 from zmq_helpers import Served, pool, snapshot
 
-from bench.pools import fill_random_sequence
+from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.checksum import checksum
 from transfer.codec import encode, seal

@@ -8,8 +8,8 @@ import threading
 
 import torch
 
-from bench.pools import make_manager
 from kvcache.storage import KVLayout
+from measure.pools import make_manager
 from transfer import errors as E
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig

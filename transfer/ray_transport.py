@@ -8,7 +8,7 @@ call's return value is every answer the protocol produced for that connection me
 msgpack list of [header, body] pairs (`encode_replies`). Nothing of ours is pickled. A decode
 worker's actor `deliver`s each call to this endpoint's inbox, served inside `poll` on its loop
 thread like a socket's messages (`wake` ends a poll early); an actor that owns nothing else
-(`bench.ray_receiver.PoolReceiver`) runs the calls on its own thread (`kv`). A sender on the same
+(`measure.ray_receiver.PoolReceiver`) runs the calls on its own thread (`kv`). A sender on the same
 node reads nothing through the object store: it offers its /dev/shm pool (`transfer.pull`) and
 this side copies each transfer straight out of it.
 """
