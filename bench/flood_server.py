@@ -32,8 +32,9 @@ class Up:
         try:
             deadline, m = time.monotonic() + start_timeout_s, None
             while m is None and time.monotonic() < deadline and self.proc.poll() is None:
+                # all that arrived, not one line: lines left in a reader buffer are invisible to select
                 if select.select([self.proc.stdout], [], [], 1.0)[0]:
-                    self.output += self.proc.stdout.readline()
+                    self.output += os.read(self.proc.stdout.fileno(), 1 << 16).decode(errors="replace")
                     m = re.search(r"on (http://[\d.]+:\d+)/v1", self.output)
             if m is None:
                 raise RuntimeError(f"pdserve up did not come up:\n{self.output}")

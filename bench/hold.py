@@ -89,11 +89,14 @@ class HoldAttack:
                 s.close()
 
 
-def probe(url: str, key: str | None, seconds: float, timeout_s: float = 10.0) -> list[dict]:
-    """Legitimate requests for `seconds`, one after another, alternating /health and an
-    authorized /v1/models; each {path, status (None: no answer), seconds}."""
-    out, end, i = [], time.monotonic() + seconds, 0
-    while time.monotonic() < end:
+def probe(url: str, key: str | None, seconds: float | None = None, timeout_s: float = 10.0,
+          count: int | None = None) -> list[dict]:
+    """Legitimate requests for `seconds` (a benchmark) or `count` of them (a test), one after
+    another, alternating /health and an authorized /v1/models; each {path, status (None: no
+    answer within timeout_s), seconds}."""
+    out, i = [], 0
+    end = time.monotonic() + seconds if seconds is not None else None
+    while (len(out) < count) if count is not None else (time.monotonic() < end):
         path = "/health" if i % 2 == 0 else "/v1/models"
         r = call(url, "GET", path, key=key if path != "/health" else None, timeout=timeout_s)
         out.append({"path": path, "status": r.status, "seconds": round(r.seconds, 4)})

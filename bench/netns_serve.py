@@ -43,8 +43,9 @@ def start_up(cluster, transport: str, model: str = "tiny", extra: tuple[str, ...
                             env={**cluster.env(), "OMP_NUM_THREADS": "1"}, start_new_session=True)
     seen, found, deadline = "", None, time.monotonic() + timeout_s
     while found is None and time.monotonic() < deadline and proc.poll() is None:
+        # all that arrived, not one line: lines left in a reader buffer are invisible to select
         if select.select([proc.stdout], [], [], 1.0)[0]:
-            seen += proc.stdout.readline()
+            seen += os.read(proc.stdout.fileno(), 1 << 16).decode(errors="replace")
             found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen)
     if found is None:
         if proc.poll() is None:

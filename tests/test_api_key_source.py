@@ -104,8 +104,9 @@ def test_serve_with_a_key_file_keeps_the_key_off_its_command_line(tmp_path):
     try:
         deadline, m = time.monotonic() + 120, None
         while m is None and time.monotonic() < deadline and proc.poll() is None:
+            # all that arrived, not one line: lines left in a reader buffer are invisible to select
             if select.select([proc.stdout], [], [], 1.0)[0]:
-                seen += proc.stdout.readline()
+                seen += os.read(proc.stdout.fileno(), 1 << 16).decode(errors="replace")
                 m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen)
         assert m, f"pdserve serve did not come up:\n{seen}"
         with open(f"/proc/{proc.pid}/cmdline", "rb") as c, open(f"/proc/{proc.pid}/environ", "rb") as e:

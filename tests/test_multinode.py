@@ -77,8 +77,9 @@ def _up(address: str, transport: str):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     seen, found, deadline = "", None, time.monotonic() + 240
     while found is None and time.monotonic() < deadline and proc.poll() is None:
+        # all that arrived, not one line: lines left in a reader buffer are invisible to select
         if select.select([proc.stdout], [], [], 1.0)[0]:
-            seen += proc.stdout.readline()
+            seen += os.read(proc.stdout.fileno(), 1 << 16).decode(errors="replace")
             found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen)
     if found is None:
         proc.kill()

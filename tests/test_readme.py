@@ -92,8 +92,9 @@ def cluster():
     try:
         deadline = time.monotonic() + 300
         while port is None and time.monotonic() < deadline and proc.poll() is None:
+            # all that arrived, not one line: lines left in a reader buffer are invisible to select
             if select.select([proc.stdout], [], [], 1.0)[0]:
-                seen += proc.stdout.readline()
+                seen += os.read(proc.stdout.fileno(), 1 << 16).decode(errors="replace")
                 found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen)
                 port = found.group(1) if found else None
         assert port, f"pdserve up did not come up:\n{seen}"
