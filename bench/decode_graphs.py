@@ -82,7 +82,8 @@ def run(model_dir: str, dtype: str, batches: list[int], context: int, block_size
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a checkpoint directory (bench.engine.write_random_llama)")
+    p.add_argument("--model", required=True,
+                   help="a checkpoint directory (bench.engine_speed.write_random_llama)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512)

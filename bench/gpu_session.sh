@@ -84,7 +84,7 @@ stage tests 150 $PY -m pytest -p no:cacheprovider -p no:benchmark -n 8 --timeout
 stage kernels 60 $PY -m pdserve_cli.main bench kernels --dtype bfloat16 --json "$OUT/kernels.json"
 stage sweep 120 $PY -m bench.kernels_sweep --json "$OUT/kernels_sweep.json"
 SMOL=/tmp/smollm2-shape
-stage smol_checkpoint 40 $PY -c "from bench.engine import write_random_llama as w; w('$SMOL', vocab=49152,
+stage smol_checkpoint 40 $PY -c "from bench.engine_speed import write_random_llama as w; w('$SMOL', vocab=49152,
 hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536)"
 stage graphs_smol 90 $PY -m bench.decode_graphs --model "$SMOL" --dtype bfloat16 --batches 1,8,32,64 \
   --context 512 --json "$OUT/decode_graphs_smol.json"

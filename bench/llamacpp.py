@@ -14,7 +14,7 @@ the whole wall time, as bench engine counts pdserve's. ggml's AMX matmul segfaul
 Sapphire Rapids machines (ggml-org/llama.cpp#20824; on this project's VMs at the first decode), so
 `extra_buffers_work` tries the extra buffer types (AMX, CPU repack) in a child process first and
 they are turned off when it crashes. `Baseline` is bench engine's side: per alternating repeat a
-batched run, pdserve's single stream (bench.engine.run_engine on the first prompt) and llama.cpp's,
+batched run, pdserve's single stream (bench.engine_speed.run_engine on the first prompt) and llama.cpp's,
 then the pdserve/llama.cpp ratios and greedy agreement (JSON section and printed lines), and for
 each side's single-stream decode the weight bytes one step reads over the step time, as a fraction
 of the memory copy bandwidth measured in the same run (bench.step_bandwidth, applied to both
@@ -159,7 +159,7 @@ class LlamaCpp:
 
 
 def pdserve_single(engine_run: dict) -> dict:
-    """bench.engine.run_engine's result for one prompt as prefill seconds (its prefill-carrying
+    """bench.engine_speed.run_engine's result for one prompt as prefill seconds (its prefill-carrying
     steps) and decode tok/s (its decode-only steps, one token each)."""
     pre, dec = engine_run["prefill_step_ms"], engine_run["decode_step_ms"]
     return {"tokens": engine_run["tokens"], "prefill_s": pre["mean"] * pre["count"] / 1e3,

@@ -45,7 +45,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from bench.engine import run as bench
+    from bench.engine_speed import run as bench
 
     torch.set_num_threads(args.threads)
 

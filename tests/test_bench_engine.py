@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench.engine import run, run_engine, write_random_llama  # noqa: E402
+from bench.engine_speed import run, run_engine, write_random_llama  # noqa: E402
 
 
 def test_warm_up_does_not_warm_the_prefix_cache(tmp_path):

@@ -50,7 +50,7 @@ def test_runner_agrees_with_pdserve_f32(gguf_and_buffers):
 @needs_llama
 def test_bench_engine_reports_llamacpp(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
-    import bench.engine as be
+    import bench.engine_speed as be
 
     def fake_hf(directory, prompts, max_tokens, gguf_file=None, dtype="float32", device="cpu"):
         n = len(prompts) * max_tokens
@@ -83,7 +83,7 @@ def test_without_llama_cpp_one_note(tmp_path, monkeypatch, capsys):
     base, note = llamacpp.setup("smollm2", "cpu", "float32", [[1, 2, 3]], 2, "f32", 1)
     assert base is None and "not installed" in note and "llamacpp" in note
     pytest.importorskip("transformers")
-    from bench.engine import run
+    from bench.engine_speed import run
 
     path = tmp_path / "engine.json"
     result = run(num_prompts=2, max_tokens=2, min_prompt=8, max_prompt=10, repeats=1, json_path=str(path))

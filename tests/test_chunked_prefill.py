@@ -9,7 +9,7 @@ last layer computed for the sampled rows only gives their hidden states and ever
 import pytest
 import torch
 
-from bench.engine import write_random_llama
+from bench.engine_speed import write_random_llama
 from engine import cpu_attention
 from engine.engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams

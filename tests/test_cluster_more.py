@@ -83,7 +83,7 @@ def test_cli_generate_url_prints_the_same_json_as_local(cluster, capsys):
 # ---- 3. incompatible pair refused at start ---------------------------------------------------------
 def test_another_model_of_the_same_shape_is_refused_at_start(ray_local, tmp_path):
     """Equal KV layouts, different weights: the fingerprint's model identity refuses the pair."""
-    from bench.engine import write_random_llama
+    from bench.engine_speed import write_random_llama
 
     prefill_ckpt = write_random_llama(str(tmp_path / "a"), seed=0)
     decode_ckpt = write_random_llama(str(tmp_path / "b"), seed=1)
@@ -100,7 +100,7 @@ def test_another_model_of_the_same_shape_is_refused_at_start(ray_local, tmp_path
 def test_incompatible_decode_model_is_refused_at_start(ray_local, tmp_path):
     import ray
 
-    from bench.engine import write_random_llama
+    from bench.engine_speed import write_random_llama
 
     ckpt = write_random_llama(str(tmp_path / "two-layers"), layers=2)  # tiny has 4 layers
     backend = ClusterBackend(ClusterConfig(prefill=1, decode=1, num_blocks=32, decode_model=ckpt))

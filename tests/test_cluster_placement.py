@@ -37,7 +37,7 @@ def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_sess
     # `pdserve up`, ray_local, binds loopback only, so it has no node address to bind to)
     import ray
 
-    from bench.engine import write_random_llama
+    from bench.engine_speed import write_random_llama
 
     checkpoint = write_random_llama(str(tmp_path / "llama"), seed=3)
     event_port, kv_first = _free_port(), _free_port()

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from bench.engine import write_random_llama  # noqa: E402
+from bench.engine_speed import write_random_llama  # noqa: E402
 from engine.attention import get_backend  # noqa: E402
 from engine.attn_metadata import AttentionMetadata  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs, buckets_up_to  # noqa: E402

@@ -4,7 +4,7 @@ prefix caching, n > 1 sharing, beam search block accounting, and preemption by r
 import pytest
 import torch
 
-from bench.engine import write_random_llama
+from bench.engine_speed import write_random_llama
 from engine.engine import EngineConfig, LLMEngine, RequestError
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig

@@ -247,7 +247,7 @@ def test_the_model_reaches_a_node_that_lacks_it(nodes, tmp_path):
     only that the path exists): with model_distribution auto (the default) the decode worker loads
     the coordinator's copy from Ray's object store across the link, and its greedy tokens equal
     the local engine's."""
-    from bench.engine import write_random_llama
+    from bench.engine_speed import write_random_llama
     from engine.engine import EngineConfig, LLMEngine
 
     ckpt = write_random_llama(str(tmp_path / "llama"), seed=3, vocab=300, hidden=64, layers=2, heads=4,
