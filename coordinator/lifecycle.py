@@ -40,7 +40,7 @@ class Fleet:
         self.bind_host = "127.0.0.1"   # where the report socket binds (found at `open`)
         self.keys: ClusterKeys | None = None  # the cluster's keys (secure clusters), handed to the workers
         self.reports = None            # the report socket, a protocol.queues.PullQueue (`open`)
-        self._published: dict = {}     # model path -> its copy in the object store
+        self.published: dict = {}     # model path -> its copy in the object store
 
     def open(self):
         """Check the GPUs, find the bind address, bind the report socket (returned), publish the
@@ -52,7 +52,7 @@ class Fleet:
         self.bind_host = self._bind_host()
         self.keys = ClusterKeys.generate() if c.secure else None  # handed to the workers through Ray
         self.reports = PullQueue(f"tcp://{self.bind_host}:{c.event_port}", create=True, keys=self.keys)
-        self._published = self._publish_models()
+        self.published = self._publish_models()
         return self.reports
 
     async def start(self) -> list:
@@ -60,7 +60,7 @@ class Fleet:
         Raises asyncio.TimeoutError past `start_timeout_s`, RuntimeError naming a worker that failed."""
         c, s = self.state.config, self.state
         self.members.place(spawn_workers(c, self.reports.address, self.namespace, self._kv_host(),
-                                      self._published, self.keys))
+                                      self.published, self.keys))
         roles = [f"{c.colocated} colocated"] if s.colocated else \
             [f"{c.prefill} prefill", f"{c.decode} decode"]
         self.progress(f"starting {' + '.join(roles)} worker(s): each loads the model "
@@ -171,7 +171,7 @@ class Fleet:
             return True
         ray.kill(dead.handle, no_restart=True)  # a wedged one still holds its CPUs, GPU and blocks
         worker = spawn_worker(self.state.config, dead.role, dead.slot or dead.name, self.reports.address,
-                              self.namespace, dead.generation + 1, self._kv_host(), self._published,
+                              self.namespace, dead.generation + 1, self._kv_host(), self.published,
                               self.keys)
         self.members.replacing_with(dead, worker, why, time.monotonic())
         try:
@@ -194,7 +194,7 @@ class Fleet:
 
         slot = self.members.fresh_slot(role)
         worker = spawn_worker(self.state.config, role, slot, self.reports.address, self.namespace, 0,
-                              self._kv_host(), self._published, self.keys)
+                              self._kv_host(), self.published, self.keys)
         self.members.begin_join(worker)
         try:
             await self._join(worker)
