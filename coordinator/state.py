@@ -11,6 +11,7 @@ A request's own outputs (tokens, its final event, its error) go to its `RequestS
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.config import ClusterConfig
@@ -42,8 +43,10 @@ class ClusterState:
     scaling: bool = False                                            # a scale is under way
 
     @classmethod
-    def create(cls, config: ClusterConfig, metrics: Metrics) -> ClusterState:
-        ledger = Ledger()
+    def create(cls, config: ClusterConfig, metrics: Metrics,
+               clock: Callable[[], float] | None = None) -> ClusterState:
+        """clock: what the ledger stamps its history with (wall time when not given)."""
+        ledger = Ledger() if clock is None else Ledger(clock=clock)
         roles = ROLES_COLOCATED if config.colocated else ROLES_DISAGGREGATED
         reconciler = Reconciler(ledger, config.ledger_grace_s, metrics.count_discrepancy)
         return cls(config, metrics, ledger, reconciler, {role: Router(config.routing) for role in roles})

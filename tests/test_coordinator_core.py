@@ -44,7 +44,7 @@ def worker(name: str, role: str, free: int = 100, total: int = 128) -> WorkerSta
 
 def make_core(prefill: int = 2, decode: int = 2, colocated: int = 0, **config) -> ClusterCore:
     cfg = ClusterConfig(prefill=prefill, decode=decode, colocated=colocated, routing="round_robin", **config)
-    core = ClusterCore(ClusterState.create(cfg, Metrics()))
+    core = ClusterCore(ClusterState.create(cfg, Metrics(), clock=lambda: T0))  # no wall clock anywhere
     roles = [("colocated", colocated)] if colocated else [("prefill", prefill), ("decode", decode)]
     Membership(core).place({f"{role}-{i}": worker(f"{role}-{i}", role)
                             for role, n in roles for i in range(n)})
@@ -154,6 +154,11 @@ def test_reports_move_the_ledger_reorder_tokens_and_finish_the_request():
     assert tokens == [TokenEvent(0, (7,)), TokenEvent(0, (8, 9), "length")]  # in output order
     assert isinstance(final, FinalEvent) and final.info["migration"]["ms"] == 3.0
     assert request.finished and aborts(actions) == [("decode-0", "r1")]  # finished: only the decode side
+    history = core.state.ledger.get("r1").history  # (time, phase, owner, epoch) per move
+    assert [h[1:] for h in history] == [("queued", None, 0), ("prefilling", "prefill-0", 1),
+                                        ("migrating", "decode-0", 2), ("decoding", "decode-0", 3),
+                                        ("finished", None, 4)]
+    assert {h[0] for h in history} == {T0}
     assert core.state.ledger.get("r1").phase is Phase.FINISHED and "r1" not in core.state.requests
 
 
