@@ -45,7 +45,7 @@ from coordinator.errors import APIError, InternalError, InvalidRequest, ServiceU
 from coordinator.lifecycle import Fleet
 from coordinator.membership import Membership
 from coordinator.metrics import Metrics, worker_metrics_text
-from coordinator.state import Action, ClusterState, Redispatch, Replace, Resend, RetryPrefill, Tell
+from coordinator.state import Action, ClusterState, Redispatch, Replace, ResendHeld, RetryPrefill, Tell
 from coordinator.tasks import Tasks
 from coordinator.workers import CommandEncodeError, RequestState, WorkerState, actor_died, command, tell
 from protocol.messages import Reserve, WorkerReport
@@ -217,7 +217,7 @@ class ClusterBackend:
                 tell(action.worker, action.command)
             elif isinstance(action, (RetryPrefill, Redispatch)):  # the core picked its new workers
                 self.tasks.spawn(self._redispatch(action.request))
-            elif isinstance(action, Resend):
+            elif isinstance(action, ResendHeld):
                 self.tasks.spawn(self._resend(action.request, action.bad, action.why))
             elif isinstance(action, Replace):
                 self.tasks.spawn(self.fleet.replace(action.worker))

@@ -6,7 +6,7 @@ replacements, drains, scales) are coordinator.membership's. Nothing here awaits,
 a socket or reads a clock: the driver (coordinator.cluster.ClusterBackend) feeds it events (a
 request arrived, a decode worker granted or refused room, a message off the report socket, a
 liveness check at time `now`) and carries out the actions it returns (coordinator.state: Tell,
-RetryPrefill, Resend, Redispatch, Replace). A request's outputs (tokens, its final event, its
+RetryPrefill, ResendHeld, Redispatch, Replace). A request's outputs (tokens, its final event, its
 error) go to its own queue (`RequestState.q`). A test, or a simulator, drives it with hand-made
 events.
 
@@ -43,7 +43,7 @@ from coordinator.errors import APIError, InternalError, InvalidRequest, ServiceU
 from coordinator.guard import Overloaded
 from coordinator.ledger import Phase
 from coordinator.router import NoWorkerError, WorkerLoad
-from coordinator.state import Action, ClusterState, Redispatch, Replace, Resend, RetryPrefill, Tell
+from coordinator.state import Action, ClusterState, Redispatch, Replace, ResendHeld, RetryPrefill, Tell
 from coordinator.workers import RequestState, WorkerState
 from protocol.messages import (
     Abort,
@@ -53,11 +53,11 @@ from protocol.messages import (
     ImportRefused,
     Migrated,
     RequestFailed,
+    Resend,
     Submit,
     Tokens,
     WorkerReport,
 )
-from protocol.messages import Resend as ResendCommand
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class ClusterCore:
         if event.kind == "migration":
             s.metrics.count_error("migration")
             if event.held:  # the prefill worker still holds the blocks: send them elsewhere
-                return [Resend(request, request.decode, event.message)]
+                return [ResendHeld(request, request.decode, event.message)]
             return self.resume(request, request.decode, event.message, now)
         s.metrics.count_error(event.kind)
         error = InvalidRequest if event.kind == "refused" else \
@@ -433,9 +433,9 @@ class ClusterCore:
         request.epoch = self.state.ledger.move(request.rid, Phase.PREFILLING, request.prefill) + 1
         return request.epoch
 
-    def resend_command(self, request: RequestState) -> tuple[WorkerState, ResendCommand]:
+    def resend_command(self, request: RequestState) -> tuple[WorkerState, Resend]:
         d, s = self.state.workers[request.decode], self.state
-        return s.workers[request.prefill], ResendCommand(request.rid, d.name, d.address, request.epoch)
+        return s.workers[request.prefill], Resend(request.rid, d.name, d.address, request.epoch)
 
     def resent(self, request: RequestState, bad: str, why: str, error: str | None,
                now: float) -> list[Action]:

@@ -2,8 +2,10 @@
 
 `ClusterState` is the one shared state of the cluster's coordinator: the workers, the requests in
 flight, the ownership ledger and its reconciler, the routers, and the bookkeeping of lost,
-replaced, drained and retired workers. Only coordinator.core changes it (coordinator.cluster, the
-driver, adds the workers it placed and reads the rest). The actions are what the core decides and
+replaced, drained and retired workers. Only the core changes it: coordinator.core (requests,
+reports, failover) and coordinator.membership (the worker table). The driver (coordinator.cluster,
+lifecycle, drain) reads it, and writes only what a worker says of itself when it starts (its
+address, block size, description). The actions are what the core decides and
 cannot do itself, because they need I/O: send a command to a worker, or start one of the driver's
 asynchronous flows (rerun a prefill, re-send held blocks, dispatch again, replace a worker).
 A request's own outputs (tokens, its final event, its error) go to its `RequestState.q`.
@@ -82,7 +84,7 @@ class RetryPrefill:
 
 
 @dataclass(frozen=True)
-class Resend:
+class ResendHeld:
     """A migration to decode worker `bad` failed while the prefill worker holds the blocks: reserve
     on another decode worker and have the prefill worker send them there."""
 
@@ -105,4 +107,4 @@ class Replace:
     worker: WorkerState
 
 
-Action = Tell | RetryPrefill | Resend | Redispatch | Replace
+Action = Tell | RetryPrefill | ResendHeld | Redispatch | Replace

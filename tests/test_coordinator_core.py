@@ -18,7 +18,7 @@ from coordinator.guard import Overloaded
 from coordinator.ledger import Phase
 from coordinator.membership import Conflict, Membership, WorkerNotFound
 from coordinator.metrics import Metrics
-from coordinator.state import ClusterState, Redispatch, Replace, Resend, RetryPrefill, Tell
+from coordinator.state import ClusterState, Redispatch, Replace, ResendHeld, RetryPrefill, Tell
 from coordinator.workers import WorkerState
 from protocol.messages import (
     Abort,
@@ -26,11 +26,11 @@ from protocol.messages import (
     Heartbeat,
     Migrated,
     RequestFailed,
+    Resend,
     Submit,
     Tokens,
     WorkerReport,
 )
-from protocol.messages import Resend as ResendCommand
 
 T0 = 1000.0  # the virtual time every test starts at
 PROMPT = list(range(1, 21))  # 20 tokens: 2 blocks of 16 with the one being filled
@@ -275,14 +275,14 @@ def test_a_failed_migration_with_held_blocks_is_resent_under_a_new_epoch_else_re
     request, epoch, *_ = admitted(core)
     failed = RequestFailed("r1", epoch, "migration", "transfer timed out", held=True)
     (action,) = core.on_message(report("prefill-0", {"r1": 2}, [failed]), T0)
-    assert action == Resend(request, "decode-0", "transfer timed out")
+    assert action == ResendHeld(request, "decode-0", "transfer timed out")
     new = core.begin_resend(request, "decode-0")
     assert new == request.epoch == 3 and request.resending  # PREFILLING again at 2, the migration at 3
     assert core.state.ledger.get("r1").epoch == 2
     taken, actions = core.reserved(request, core.reserve_candidates(request, T0)[0])
     assert taken and request.decode == "decode-1" and aborts(actions) == [("decode-0", "r1")]
     target, cmd = core.resend_command(request)
-    assert target.name == "prefill-0" and cmd == ResendCommand("r1", "decode-1", "tcp://decode-1", new)
+    assert target.name == "prefill-0" and cmd == Resend("r1", "decode-1", "tcp://decode-1", new)
     assert core.resent(request, "decode-0", "transfer timed out", None, T0) == []
     assert request.resent == 1 and not request.resending
     # a second failure whose blocks are no longer held: prefill again instead
