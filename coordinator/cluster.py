@@ -5,16 +5,26 @@ checks at start that every prefill worker can hand KV to every decode worker (th
 compares layouts and model identity; an incompatible pair refuses to start with the reason),
 and drives them with typed commands (protocol.messages). Per request it picks a prefill and a
 decode worker (Router), reserves room on the decode worker for the migration (credit-based
-backpressure: a refusal is counted and the next decode worker asked; when all refuse the
-request waits, at most `reserve_wait_s`, then gets 503), moves the ownership ledger (queued ->
-prefilling -> migrating -> decoding -> finished/failed, an epoch per move) and submits the
-prompt. Worker reports, token reordering and ledger reconciliation: coordinator.reports;
-failures: coordinator.failover. Colocated mode (`colocated = K`): K workers each running both
-phases, the baseline behind the same API, ledger, routing and metrics. Per request, the policy in
-coordinator.decide (`disaggregate`) may instead prefill on the decode worker itself
-(`local_prefill`: no prefill worker, no reservation, no migration; the request's `prefill` and
-`decode` name the same worker); the response's `pdserve.backend` says which path and why, and
-/metrics counts them. Every wait is bounded.
+backpressure: a refusal is counted and the next decode worker asked; when all refuse, the
+request waits in a FIFO line, only the first waiter being woken when a decode worker reports,
+at most `reserve_wait_s`, then gets 503; beyond `max_waiting` waiters a new request gets 429 with
+Retry-After at once), moves the ownership ledger (queued -> prefilling -> migrating -> decoding
+-> finished/failed, an epoch per move) and submits the prompt.
+
+Shape: the decisions are plain methods on one coordinator.state.ClusterState: routing,
+admission, the ledger, reports and failover in coordinator.core's `ClusterCore`; the worker
+table's changes (joins, replacements, drains, scales) in coordinator.membership. This class
+is the driver that does the I/O: it feeds the core what happens (a request, a worker's answer, a
+message off the report socket, a liveness check every `monitor_s`) and carries out the actions the
+core returns (`_carry_out`). The workers' lifecycle is coordinator.lifecycle's `Fleet`; draining
+and scaling, coordinator.drain's `Drainer`.
+
+Colocated mode (`colocated = K`): K workers each running both phases, the baseline behind the same
+API, ledger, routing and metrics. Per request, the policy in coordinator.decide (`disaggregate`)
+may instead prefill on the decode worker itself (`local_prefill`: no prefill worker, no
+reservation, no migration; the request's `prefill` and `decode` name the same worker); the
+response's `pdserve.backend` says which path and why, and /metrics counts them. Every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -22,44 +32,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
-from coordinator.admission import AdmissionMixin
+from coordinator.backend import FinalEvent
 from coordinator.bounded import bounded
-from coordinator.completion_request import (
-    APIError,
-    InternalError,
-    InvalidRequest,
-    ServiceUnavailable,
-    Timeout,
-)
 from coordinator.config import ClusterConfig
-from coordinator.decide import DecideConfig, DecideInputs, Decision, decide
-from coordinator.failover import FailoverMixin
-from coordinator.ledger import Ledger, Phase
-from coordinator.lifecycle import LifecycleMixin
+from coordinator.core import ClusterCore
+from coordinator.drain import Drainer
+from coordinator.errors import APIError, InternalError, InvalidRequest, ServiceUnavailable, Timeout
+from coordinator.lifecycle import Fleet
+from coordinator.membership import Membership
 from coordinator.metrics import Metrics, worker_metrics_text
-from coordinator.reconcile import Reconciler
-from coordinator.reports import ReportsMixin
-from coordinator.router import NoWorkerError, Router, WorkerLoad
-from coordinator.workers import (
-    ROLES_COLOCATED,
-    ROLES_DISAGGREGATED,
-    CommandEncodeError,
-    RequestState,
-    actor_died,
-    command,
-    tell,
-)
-from protocol.messages import Abort, Submit
+from coordinator.state import Action, ClusterState, Redispatch, Replace, ResendHeld, RetryPrefill, Tell
+from coordinator.tasks import Tasks
+from coordinator.workers import CommandEncodeError, RequestState, WorkerState, actor_died, command, tell
+from protocol.messages import Reserve, WorkerReport
 from protocol.prefix_hash import salt_key
 from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ClusterBackend", "ClusterConfig"]
 
-class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin):
+
+class ClusterBackend:
     """Prefill + decode actors behind the backend contract (see coordinator.backend)."""
 
     def __init__(self, config: ClusterConfig | None = None, metrics: Metrics | None = None,
@@ -71,109 +69,98 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
             raise ValueError(f"colocated must be >= 0, got {config.colocated}")
         if not config.colocated and (config.prefill < 1 or config.decode < 1):
             raise ValueError("a cluster needs at least one prefill and one decode worker")
-        self.colocated = config.colocated > 0
-        self.roles = ROLES_COLOCATED if self.colocated else ROLES_DISAGGREGATED
-        self.config, self.metrics = config, metrics or Metrics()
-        self.progress = progress or _quiet
-        self.decide_config = DecideConfig(config.disaggregate, config.local_prefill_max_tokens,
-                                          config.local_prefill_max_waiting, config.prefill_ms_per_token)
-        self._paths: dict[str, Decision] = {}        # request id -> where its prompt is prefilled, and why
+        self.state = ClusterState.create(config, metrics or Metrics())
+        self.core = ClusterCore(self.state)
+        self.members = Membership(self.core)
+        self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
+        self.progress = progress or _quiet  # also told by deploy.launch (binding the HTTP API)
+        self.fleet = Fleet(self.members, self.namespace, self.progress)
+        self.tasks = Tasks()
+        self.drainer = Drainer(self.members, self.fleet, self.tasks, self._carry_out)
+        self.name = config.name or config.model
         self.tokenizer = None  # loaded from the first worker's description at start
         self.max_context = self.vocab_size = 0
         self.weights = ""  # what the workers compute in (engine.weight_format.computed_in), known at start
-        self.name = config.name or config.model
-        self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
-        self.ledger = Ledger()
-        self.reconciler = Reconciler(self.ledger, config.ledger_grace_s, self.metrics.count_discrepancy)
-        self.routers = {role: Router(config.routing) for role in self.roles}  # one cycle per role
-        self.workers: dict = {}
-        self._requests: dict[str, RequestState] = {}
-        self._lost: set[str] = set()
-        self._replacing: set[str] = set()  # lost workers whose replacement is on the way
-        self._restarts: dict[str, list[float]] = {}  # slot -> times of its recent replacements
-        self.slot_status: dict[str, str] = {}        # slot -> why it is empty now (being replaced)
-        self._joining: dict = {}                     # replacement workers not yet handshaken
-        self.draining: dict[str, float] = {}         # workers being drained -> since (coordinator.drain)
-        self._retired: set[str] = set()              # slots drained away: never replaced nor reused
-        self._scaling = False                        # a scale is under way (coordinator.drain)
-        self._waiters: collections.deque = collections.deque()  # requests waiting for decode room, in order
-        self.bind_host = "127.0.0.1"                 # where the report socket binds (set at start)
-        self._published: dict = {}                   # model path -> its copy in the object store
-        self.keys = None                             # the cluster's protocol.curve.ClusterKeys (start)
-        self._tasks: set[asyncio.Task] = set()
-        self._reader = self._monitor_task = self._pull = None
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()  # waiting for decode room
+
+    # ---- what the HTTP layer, the CLI and the tests read ----------------------------------------
+    @property
+    def config(self) -> ClusterConfig:
+        return self.state.config
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.state.metrics
+
+    @property
+    def workers(self) -> dict[str, WorkerState]:
+        return self.state.workers
+
+    @property
+    def ledger(self):
+        return self.state.ledger
+
+    @property
+    def routers(self) -> dict:
+        return self.state.routers
+
+    @property
+    def keys(self):
+        return self.fleet.keys
+
+    @property
+    def _pull(self):
+        """The report socket (tests plant reports on it)."""
+        return self.fleet.reports
 
     # ---- the contract ---------------------------------------------------------------------------
     def model_names(self) -> list[str]:
         return [self.name]
 
-    def _role(self, role: str) -> list:
-        return [worker for worker in self.workers.values() if worker.role == role]
-
-    def _loads(self, role: str) -> list[WorkerLoad]:
-        timeout, out = self.config.heartbeat_timeout_s, []
-        for worker in self._role(role):
-            if worker.name in self.draining:  # coordinator.drain: no new work for it
-                continue
-            free = int(worker.stats.get("free_blocks", 0)) + int(worker.stats.get("cached_blocks", 0))
-            depth = int(worker.stats.get("queue_depth", 0))
-            out.append(WorkerLoad(worker.name, free, depth, worker.block_size, worker.alive(timeout)))
-        return out
-
     def health(self) -> tuple[bool, str]:
-        for role in self.roles:
-            if not any(worker.alive(self.config.heartbeat_timeout_s) for worker in self._role(role)):
-                empty = [f"{slot}: {why}" for slot, why in self.slot_status.items() if slot.startswith(role)]
+        s, now = self.state, time.monotonic()
+        for role in s.roles:
+            if not any(worker.alive(s.config.heartbeat_timeout_s, now) for worker in s.role(role)):
+                empty = [f"{slot}: {why}" for slot, why in s.slot_status.items() if slot.startswith(role)]
                 return False, f"no live {role} worker" + (f" ({'; '.join(empty)})" if empty else "")
         return True, "ok"
 
     def info(self) -> dict:
-        timeout = self.config.heartbeat_timeout_s
+        s, now = self.state, time.monotonic()
+        timeout = s.config.heartbeat_timeout_s
         workers = [{"name": worker.name, "role": worker.role, "address": worker.address,
-                    "block_size": worker.block_size, "alive": worker.alive(timeout),
-                    "not_alive_because": worker.why_not_alive(timeout), "loop": worker.progress,
+                    "block_size": worker.block_size, "alive": worker.alive(timeout, now),
+                    "not_alive_because": worker.why_not_alive(timeout, now), "loop": worker.progress,
                     **worker.info,
                     **{k: v for k, v in worker.stats.items() if k not in ("name", "role")}}
-                   for worker in self.workers.values()]
-        return {"mode": "colocated" if self.colocated else "cluster", "model": self.name,
-                "transport": None if self.colocated else self.config.transport,
-                "transport_capabilities": None if self.colocated else _capabilities(self.config.transport),
-                "routing": self.config.routing, "workers": workers, "empty_slots": dict(self.slot_status),
-                "ledger": self.ledger.summary()}
+                   for worker in s.workers.values()]
+        return {"mode": "colocated" if s.colocated else "cluster", "model": self.name,
+                "transport": None if s.colocated else s.config.transport,
+                "transport_capabilities": None if s.colocated else _capabilities(s.config.transport),
+                "routing": s.config.routing, "workers": workers, "empty_slots": dict(s.slot_status),
+                "ledger": s.ledger.summary()}
 
     def metrics_text(self) -> str:
         return worker_metrics_text([{**worker.stats, "name": worker.name, "role": worker.role}
-                                    for worker in self.workers.values()])
+                                    for worker in self.state.workers.values()])
+
+    async def drain_worker(self, name: str, timeout_s: float | None = None) -> dict:
+        """Drain one worker (coordinator.drain)."""
+        return await self.drainer.drain_worker(name, timeout_s)
+
+    async def scale(self, targets: dict, timeout_s: float | None = None) -> dict:
+        """Bring roles to a number of workers (coordinator.drain)."""
+        return await self.drainer.scale(targets, timeout_s)
 
     async def abort(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
+        request = self.state.requests.get(request_id)
         if request is not None:
-            self._drop(request, ok=False)
-            request.q.put_nowait(ServiceUnavailable("request aborted"))
+            self._carry_out(self.core.fail(request, ServiceUnavailable("request aborted")))
 
     async def submit(self, creq):
-        from coordinator.backend import FinalEvent
-
         params = creq.sampling_params().with_seed()
-        prompt = list(creq.prompt_ids)
-        try:
-            if self.colocated:
-                loads = self._loads("colocated")
-                prefill = decode = self.routers["colocated"].pick(loads, "colocated", prompt)
-            else:
-                prefill = self.routers["prefill"].pick(self._loads("prefill"), "prefill", prompt)
-                decode = self.routers["decode"].pick(self._loads("decode"), "decode")
-        except NoWorkerError as e:
-            raise ServiceUnavailable(str(e)) from None
-        rid = creq.request_id
-        if not self.colocated:
-            decision = self._paths[rid] = self._decide(prompt, prefill, decode)
-            if decision.path == "local_prefill":
-                prefill = decode  # NOTE: prefill == decode is what marks the local path from here on
-        request = RequestState(rid, creq.n, len(prompt), prefill, decode, prompt, params,
-                               prefix_key=salt_key(creq.cache_salt))
-        self.ledger.open(rid)
-        self._requests[rid] = request
+        request = self.core.route(creq.request_id, creq.n, list(creq.prompt_ids), params, time.monotonic(),
+                                  prefix_key=salt_key(creq.cache_salt))
         try:
             await self._dispatch(request)
             while True:
@@ -187,91 +174,188 @@ class ClusterBackend(LifecycleMixin, AdmissionMixin, FailoverMixin, ReportsMixin
                 if isinstance(event, FinalEvent):
                     return
         finally:
-            if rid in self._requests:
-                self._drop(request, ok=all(request.done))
+            if request.rid in self.state.requests:
+                self._carry_out(self.core.drop(request, ok=all(request.done)))
 
-    async def _dispatch(self, request: RequestState) -> None:
-        """Hand a request to its prefill worker, after its decode worker reserved room for its
-        migration under the MIGRATING move's epoch (one more than this PREFILLING move's; may
-        switch request.decode, or wait). Colocated: the one worker does it all."""
-        if self.colocated:
-            self.ledger.move(request.rid, Phase.DECODING, request.decode)
-            target = request.decode
-            cmd = Submit(request.rid, request.prompt, request.params, prefix_key=request.prefix_key)
-        elif request.prefill == request.decode:  # local prefill: the decode worker runs both phases
-            request.epoch = self.ledger.move(request.rid, Phase.DECODING, request.decode)
-            target = request.decode
-            cmd = Submit(request.rid, request.prompt, request.params, epoch=request.epoch,
-                         prefix_key=request.prefix_key)
-            self._remember_decode(request)
-        else:
-            epoch = request.epoch = self.ledger.get(request.rid).epoch + 2
-            await self._reserve(request, epoch)  # the ledger keeps the request queued while it waits
-            self.ledger.move(request.rid, Phase.PREFILLING, request.prefill)
-            decode = self.workers[request.decode]
-            target = request.prefill
-            cmd = Submit(request.rid, request.prompt, request.params, decode.name, decode.address, epoch,
-                         list(request.generated), prefix_key=request.prefix_key)
-            self._remember_decode(request)
+    # ---- starting and stopping ------------------------------------------------------------------
+    async def start(self):
+        from model_files.tokenizer import load_tokenizer
+
+        c = self.config
+        reports = self.fleet.open()
+        self.tasks.spawn(self._read_reports(reports))
         try:
-            reply = await command(self.workers[target], cmd, self.config.call_timeout_s)
+            infos = await self.fleet.start()
+        except asyncio.TimeoutError:
+            await self.aclose(graceful=False)
+            raise RuntimeError(f"workers did not start within {c.start_timeout_s}s") from None
+        except asyncio.CancelledError:  # stopped while starting (Ctrl-C): nothing was served yet
+            await self.aclose(graceful=False)
+            raise
+        except Exception as e:
+            await self.aclose(graceful=False)
+            raise RuntimeError(f"a worker failed to start: {e}") from None
+        first = infos[0]  # every worker serves the same model (the handshakes enforce it)
+        self.max_context, self.vocab_size = first.max_context, first.vocab_size
+        self.weights = "+".join(sorted({info.weights for info in infos}))  # one format unless configs differ
+        self.tokenizer = load_tokenizer(None if c.model == "tiny" else c.model, first)
+        self.tasks.spawn(self._monitor())
+        return self
+
+    async def aclose(self, graceful: bool = True) -> None:
+        """Stop the workers: each is asked to shut down (bounded), then killed. graceful=False
+        kills at once: a start that failed or was stopped, where a worker may still be inside
+        its constructor (a shutdown call would wait for that) and holds no request."""
+        await self.fleet.end_workers(graceful)
+        await self.tasks.cancel_all()
+        self.fleet.close_reports()
+        for request in self.state.requests.values():
+            request.q.put_nowait(ServiceUnavailable("server shutting down"))
+
+    # ---- carrying out the core's decisions ------------------------------------------------------
+    def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Tell):
+                tell(action.worker, action.command)
+            elif isinstance(action, (RetryPrefill, Redispatch)):  # the core picked its new workers
+                self.tasks.spawn(self._redispatch(action.request))
+            elif isinstance(action, ResendHeld):
+                self.tasks.spawn(self._resend(action.request, action.bad, action.why))
+            elif isinstance(action, Replace):
+                self.tasks.spawn(self.fleet.replace(action.worker))
+            else:
+                raise TypeError(f"unknown action {action!r}")
+
+    async def _read_reports(self, reports) -> None:
+        """Every message off the report socket goes to the core, at the time it was read."""
+        while True:
+            message = await reports.get()
+            try:
+                self._carry_out(self.core.on_message(message, time.monotonic()))
+                worker = self.state.workers.get(getattr(message, "worker", None))
+                if isinstance(message, WorkerReport) and worker is not None and worker.role == "decode":
+                    self._wake_first_waiter()  # its room may have changed: the first waiting request tries
+            except Exception:  # a report that breaks a handler must not stop the reader
+                log.exception("bad worker report from %s", getattr(message, "worker", "?"))
+                self.metrics.count_error("bad_event")
+
+    async def _monitor(self) -> None:
+        """Every `monitor_s`, the core checks liveness and acts on the requests of a lost worker."""
+        while True:
+            await asyncio.sleep(self.config.monitor_s)
+            self._carry_out(self.core.check_liveness(time.monotonic()))
+
+    # ---- a request's I/O ------------------------------------------------------------------------
+    async def _dispatch(self, request: RequestState) -> None:
+        """Hand a request to its worker, after its decode worker reserved room for its migration
+        when it needs one (coordinator.core: reservation_epoch, submit_command)."""
+        epoch = self.core.reservation_epoch(request)
+        if epoch is not None:
+            await self._reserve(request, epoch)  # the ledger keeps the request queued while it waits
+        worker, cmd = self.core.submit_command(request)
+        c = self.config
+        try:
+            reply = await command(worker, cmd, c.call_timeout_s)
         except CommandEncodeError as e:  # this request's fields: a 400, the worker is fine
             raise InvalidRequest(f"the request cannot be encoded for the workers: {e}") from None
         except asyncio.TimeoutError:
-            raise Timeout(f"a worker did not take the request within {self.config.call_timeout_s}s") from None
+            raise Timeout(f"a worker did not take the request within {c.call_timeout_s}s") from None
         except Exception as e:
             if actor_died(e):  # Ray says its process is gone: routing skips it from now on
-                self.workers[target].dead = type(e).__name__
-                raise ServiceUnavailable(f"worker {target} died: {type(e).__name__}") from None
+                self.core.mark_dead(worker.name, type(e).__name__)
+                raise ServiceUnavailable(f"worker {worker.name} died: {type(e).__name__}") from None
             # the call failed but the worker lives (its heartbeats say so): this request fails alone
-            log.warning("request %s: worker %s could not take it: %r", request.rid, target, e)
+            log.warning("request %s: worker %s could not take it: %r", request.rid, worker.name, e)
             self.metrics.count_error("dispatch")
-            raise InternalError(f"worker {target} could not take the request: {type(e).__name__}") from None
+            raise InternalError(f"worker {worker.name} could not take the request: {type(e).__name__}") \
+                from None
         if reply.error:
             raise InvalidRequest(reply.error, param="prompt")
 
-    def _decide(self, prompt: list[int], prefill: str, decode: str) -> Decision:
-        """Where this prompt is prefilled (coordinator.decide), from the decode router's prefix memory,
-        both workers' last reported queues and the migration times measured on this transport."""
-        load = next((w for w in self._loads("decode") if w.worker_id == decode), None)
-        inputs = DecideInputs(len(prompt), self.routers["decode"].cached_tokens(load, prompt) if load else 0,
-                              int(self.workers[prefill].stats.get("queue_depth", 0)),
-                              int(self.workers[decode].stats.get("queue_depth", 0)),
-                              self.metrics.migration_ms(self.config.transport),
-                              int(self.workers[decode].stats.get("running", 0)),
-                              self.workers[decode].info.get("startup", {}).get("prefill_ms_per_token"))
-        decision = decide(inputs, self.decide_config)
-        self.metrics.count_path(decision.path, decision.reason_kind)
-        return decision
+    async def _reserve(self, request: RequestState, epoch: int) -> None:
+        """Credit-based backpressure: ask the decode workers the core lists, in its order, to admit
+        the coming migration. When all refuse, wait in line (429 when `max_waiting` already wait)
+        for a decode worker's report, up to reserve_wait_s, then 503."""
+        c = self.config
+        tokens = self.core.reservation_tokens(request)
+        deadline = time.monotonic() + c.reserve_wait_s
+        while request.rid in self.state.requests:  # until dropped (client gone, aborted)
+            for worker in self.core.reserve_candidates(request, time.monotonic()):
+                try:
+                    reserve = Reserve(request.rid, epoch, tokens, request.n, request.prefill)
+                    reply = await command(worker, reserve, c.call_timeout_s)
+                except asyncio.TimeoutError:
+                    raise Timeout(f"decode worker {worker.name} did not answer within {c.call_timeout_s}s") \
+                        from None
+                except CommandEncodeError as e:  # this request's fields, not the worker
+                    raise InvalidRequest(f"the request cannot be encoded for the workers: {e}") from None
+                except Exception as e:
+                    if actor_died(e):  # Ray says it is gone: say so now, not a heartbeat later
+                        self.core.mark_dead(worker.name, type(e).__name__)
+                    continue  # either way, ask the next decode worker
+                if reply.granted:
+                    taken, actions = self.core.reserved(request, worker)
+                    self._carry_out(actions)
+                    if not taken:  # dropped while we waited: the credit went back
+                        raise ServiceUnavailable("request aborted")
+                    self._wake_first_waiter()  # room may be left for the next one in line
+                    return
+                self.core.refused(worker)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServiceUnavailable(f"decode workers full: no room for the request within "
+                                         f"{c.reserve_wait_s:g}s")
+            await self._wait_in_line(min(left, 1.0))
+        raise ServiceUnavailable("request aborted")
 
-    def _remember_decode(self, request: RequestState) -> None:
-        """Either path leaves the prompt's full blocks in the decode worker's prefix cache (imports are
-        sealed like local prefills): the decode router remembers them for the next decisions."""
-        worker = self.workers[request.decode]
-        self.routers["decode"].remember(worker.name, request.prompt, worker.block_size or 16)
+    async def _wait_in_line(self, timeout: float) -> None:
+        """Wait for a decode worker's report (or `timeout`) behind the requests already waiting."""
+        self.core.may_wait(len(self._waiters))
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await bounded(turn, timeout)
+        except asyncio.TimeoutError:  # no report woke it: look again anyway
+            pass
+        finally:
+            if turn in self._waiters:
+                self._waiters.remove(turn)
 
-    def _path_info(self, request: RequestState) -> dict:
-        """The response's path fields (`pdserve.backend`): where the prompt was prefilled, and why."""
-        decision = self._paths.get(request.rid)
-        if decision is None:
-            return {}
-        local = request.prefill == request.decode
-        return {"path": decision.to_dict(), **({"decode_worker": request.decode} if local else {})}
+    def _wake_first_waiter(self) -> None:
+        """A decode worker reported (or a reservation succeeded): the first waiter tries again."""
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
 
-    def _drop(self, request: RequestState, ok: bool) -> None:
-        """Forget a request; abort it on both workers unless it finished there."""
-        self._requests.pop(request.rid, None)
-        self._paths.pop(request.rid, None)
-        self.ledger.close(request.rid, ok)
-        for name in {request.prefill, request.decode} if not ok else (request.decode,):
-            worker = self.workers.get(name)
-            if worker is not None:
-                tell(worker, Abort(request.rid))
+    async def _redispatch(self, request: RequestState) -> None:
+        try:
+            await self._dispatch(request)
+        except APIError as e:
+            self._carry_out(self.core.fail_if_live(request, e))
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    async def _resend(self, request: RequestState, bad: str, why: str) -> None:
+        """The migration to decode worker `bad` failed and the prefill worker holds the blocks: reserve
+        on another decode worker under a new epoch and have the prefill worker send them there."""
+        epoch = self.core.begin_resend(request, bad)
+        if epoch is None:
+            return
+        try:
+            try:
+                await self._reserve(request, epoch)  # switches request.decode (and frees the credit on `bad`)
+            except APIError as e:  # the abort on the prefill worker gives the held blocks back
+                self._carry_out(self.core.fail_if_live(request, ServiceUnavailable(
+                    f"{why}; no other decode worker could take the held KV: {e.message}")))
+                return
+            worker, cmd = self.core.resend_command(request)
+            try:
+                error = (await command(worker, cmd, self.config.call_timeout_s)).error
+            except Exception as e:  # the prefill worker died or stalled: the monitor reruns the prefill
+                error = f"resend call failed: {type(e).__name__}"
+            self._carry_out(self.core.resent(request, bad, why, error, time.monotonic()))
+        finally:
+            self.core.end_resend(request)
 
 
 def _quiet(text: str) -> None:

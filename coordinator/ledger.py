@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -47,7 +48,9 @@ class Entry:
 
 
 class Ledger:
-    def __init__(self, keep_finished: int = 1024):
+    def __init__(self, keep_finished: int = 1024, clock: Callable[[], float] = time.time):
+        """clock: what each history entry is stamped with (a simulator passes its virtual clock)."""
+        self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._done: list[str] = []
@@ -59,7 +62,7 @@ class Ledger:
             if request_id in self._entries:
                 raise LedgerError(f"request {request_id!r} is already in the ledger")
             entry = Entry(request_id)
-            entry.history.append((time.time(), entry.phase.value, None, 0))
+            entry.history.append((self._clock(), entry.phase.value, None, 0))
             self._entries[request_id] = entry
             return entry
 
@@ -72,7 +75,7 @@ class Ledger:
                                   f"it cannot move to {phase.value}")
             entry.phase, entry.owner = phase, owner
             entry.epoch += 1
-            entry.history.append((time.time(), phase.value, owner, entry.epoch))
+            entry.history.append((self._clock(), phase.value, owner, entry.epoch))
             if phase in TERMINAL:
                 self.counts[phase.value] += 1
                 entry.blocks.clear()

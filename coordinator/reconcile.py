@@ -40,12 +40,13 @@ class Reconciler:
         self._listed: dict[tuple[str, str], int] = {}  # (worker, request) -> epoch it was last listed under
 
     def check(self, worker: str, role: str, stats: dict, holdings: dict[str, int],
-              assigned: dict[str, set[str]], generated: frozenset[str] = frozenset()
-              ) -> tuple[list[str], list[str]]:
+              assigned: dict[str, set[str]], generated: frozenset[str] = frozenset(),
+              now: float | None = None) -> tuple[list[str], list[str]]:
         """assigned: live request id -> the workers it currently runs on; generated: live requests
-        whose every token has arrived. Returns the requests to abort on `worker` (orphans) and the
-        requests to fail (their blocks vanished)."""
-        now, seen = time.monotonic(), set()
+        whose every token has arrived; now: the report's time (time.monotonic() when not given).
+        Returns the requests to abort on `worker` (orphans) and the requests to fail (their blocks
+        vanished)."""
+        now, seen = time.monotonic() if now is None else now, set()
         orphans = [rid for rid in holdings if worker not in assigned.get(rid, ())]
         vanished, live = [], set()
         for entry in self.ledger.active():

@@ -85,13 +85,14 @@ class WorkerState:
     dead: str | None = None
     progress: dict = field(default_factory=dict)   # its last Heartbeat's loop progress (runtime.heartbeat)
 
-    def alive(self, timeout: float) -> bool:
-        """Its process heartbeats (within `timeout`) and its loop progresses (see `wedged`)."""
-        return self.why_not_alive(timeout) is None
+    def alive(self, timeout: float, now: float | None = None) -> bool:
+        """Its process heartbeats (within `timeout`) and its loop progresses (see `wedged`), at
+        `now` (time.monotonic() when not given)."""
+        return self.why_not_alive(timeout, now) is None
 
-    def why_not_alive(self, timeout: float) -> str | None:
+    def why_not_alive(self, timeout: float, now: float | None = None) -> str | None:
         """None when alive, else why not: dead (as Ray or its loop said), silent, or wedged."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if self.dead is not None:
             return f"dead ({self.dead})"
         if self.stats.get("failed"):
@@ -118,9 +119,10 @@ class WorkerState:
             if p["step_tokens"] else "no engine step"
         return f"wedged: one loop iteration has run {busy:.1f}s ({step}; allowed {allowed:.1f}s)"
 
-    def beat(self, beat) -> None:
-        """A Heartbeat from its heartbeat thread: the process is alive; record its loop's progress."""
-        self.last_seen = time.monotonic()
+    def beat(self, beat, now: float | None = None) -> None:
+        """A Heartbeat from its heartbeat thread at `now` (time.monotonic() when not given): the
+        process is alive; record its loop's progress."""
+        self.last_seen = time.monotonic() if now is None else now
         self.progress = {"busy_s": beat.busy_s, "step_tokens": beat.step_tokens,
                          "step_expected_s": beat.step_expected_s}
         if not beat.loop_alive and self.dead is None:
@@ -149,7 +151,7 @@ class RequestState:
     finished: bool = False
     avoid: set = field(default_factory=set)      # decode workers a migration of it failed to
     resent: int = 0                              # held blocks re-sent to another decode worker
-    resending: bool = False                      # a resend is being arranged (coordinator.failover)
+    resending: bool = False                      # a resend is being arranged (coordinator.core)
     cached_tokens: int | None = None             # prompt tokens the prefill's prefix cache supplied
     prefix_key: str = ""                         # extra key of its prefix-cache hashes (Submit.prefix_key)
 

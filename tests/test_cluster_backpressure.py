@@ -197,7 +197,7 @@ def test_beyond_max_waiting_requests_get_429_at_once_and_the_rest_complete(clust
     config = cluster.backend.config
 
     async def set_config(value):
-        cluster.backend.config = value
+        cluster.backend.state.config = value
     cluster.call(set_config(dataclasses.replace(config, max_waiting=1)))
     try:
         prompts = [[(i * 19 + j * 5) % 250 + 1 for j in range(40)] for i in range(10)]

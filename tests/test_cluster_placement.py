@@ -67,7 +67,7 @@ def test_node_addresses_port_ranges_and_the_model_from_the_object_store(ray_sess
         got = cc.complete(port, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert [c["token_ids"] for c in got["choices"]] == want
     finally:
-        published = dict(getattr(srv.backend, "_published", None) or {})
+        published = dict(srv.backend.fleet.published) if srv.backend is not None else {}
         srv.stop()
         _remove_node_cache(published)
 
