@@ -163,7 +163,7 @@ def forged_import(t: Target) -> dict:
     from measure.pools import fill_random_sequence, make_manager
     from protocol.sampling import SamplingParams
     from transfer.errors import TransferError
-    from transfer.messages import DecodeState
+    from transfer.wire_messages import DecodeState
     from transfer.reblock import check_compatible
     from transfer.registry import get as get_transport
     from transfer.transport import TransportConfig

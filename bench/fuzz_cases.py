@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from transfer.codec import seal
+from transfer.wire_codec import seal
 from transfer.stream_wire import CHUNK, END, XFER, XFER_MAGIC
 from transfer.wire import DATA, TOKEN
 

@@ -51,7 +51,7 @@ class Lane:
 
     def hello_body(self) -> bytes:
         """A fresh hello, signed for the receiver when the run has a secret (a new nonce each time)."""
-        from transfer.codec import encode
+        from transfer.wire_codec import encode
         from transfer.transport import TransportConfig, make_hello
 
         config = TransportConfig(peer_name="fuzz", secret=self.secret, receiver=self.receiver)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgpack
 
 from bench.fuzz_cases import Case, manifest_body, mutate_bytes, mutate_wire, stream_bytes, transfer_msgs
-from transfer.codec import seal
+from transfer.wire_codec import seal
 from transfer.wire import TOKEN
 
 

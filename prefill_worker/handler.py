@@ -25,7 +25,7 @@ from prefill_worker.shipper import ShipJob, Shipped, Shipper
 from prefill_worker.streaming import StreamedMigrations
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
-from transfer.messages import DecodeState
+from transfer.wire_messages import DecodeState
 from transfer.registry import validate as validate_transport
 
 log = logging.getLogger(__name__)

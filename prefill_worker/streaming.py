@@ -13,7 +13,7 @@ import queue
 
 from prefill_worker.flights import Flight, Migrations, Target
 from prefill_worker.shipper import ShipJob, Shipper
-from transfer.messages import DecodeState
+from transfer.wire_messages import DecodeState
 
 
 class StreamedMigrations:

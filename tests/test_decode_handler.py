@@ -17,7 +17,7 @@ from measure.pools import fill_random_sequence, make_manager
 from protocol.codec import decode, encode
 from protocol.messages import Imported, RequestFailed, Reserve, Tokens
 from protocol.sampling import SamplingParams
-from transfer.messages import DecodeState
+from transfer.wire_messages import DecodeState
 from transfer.transport import TransportConfig
 from transfer.zmq_channel import ZmqSender
 

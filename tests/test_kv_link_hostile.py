@@ -20,8 +20,8 @@ from measure.pools import fill_random_sequence
 from protocol.curve import ClusterKeys, hmac_verify, new_nonce
 from transfer import errors as E
 from transfer import stream_open
-from transfer.codec import encode
-from transfer.messages import PROTOCOL_VERSION
+from transfer.wire_codec import encode
+from transfer.wire_messages import PROTOCOL_VERSION
 from transfer.metrics import TransferMetrics
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello

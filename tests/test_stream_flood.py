@@ -14,7 +14,7 @@ from zmq_helpers import Served, kv_bytes, pool
 
 from measure.pools import fill_random_sequence
 from transfer import stream_receiver
-from transfer.messages import DecodeState
+from transfer.wire_messages import DecodeState
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig
 from transfer.zmq_channel import ZmqSender

@@ -13,7 +13,7 @@ from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, make_manager
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
-from transfer.codec import encode
+from transfer.wire_codec import encode
 from transfer.epochs import EpochGuard
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence

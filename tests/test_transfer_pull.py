@@ -15,9 +15,9 @@ from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
 from transfer.checksum import checksum
-from transfer.codec import encode, seal
+from transfer.wire_codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.messages import PoolOffer
+from transfer.wire_messages import PoolOffer
 from transfer.pull import ShmAdvert, encode_offsets
 from transfer.transport import TransportConfig
 from transfer.wire import TOKEN
@@ -170,8 +170,8 @@ def test_checksums_after_a_declined_re_offer_fail_the_transfer(tmp_path):
     # left to read the staged chunks from, so "K" fails the transfer (the pool as it was)
     import time
 
-    from transfer.codec import decode
-    from transfer.messages import PoolReply
+    from transfer.wire_codec import decode
+    from transfer.wire_messages import PoolReply
 
     src = _source()
     with _linked(src, stage=True) as (served, tx):  # read at "K", not at "P"

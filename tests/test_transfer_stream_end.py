@@ -16,9 +16,9 @@ from zmq_helpers import kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
 from transfer.checksum import checksum
-from transfer.codec import encode, seal
+from transfer.wire_codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.messages import Hello
+from transfer.wire_messages import Hello
 from transfer.metrics import TransferMetrics
 from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.transport import TransportConfig

@@ -1,6 +1,6 @@
 """KV migration: moving one sequence's paged KV cache from a prefill worker's pool into a decode
 worker's pool, fast and provably intact. A versioned msgpack manifest (`manifest`, sent with the
-connection messages of `messages` through `codec`, bounded by `schema.Limits`) describes the
+connection messages of `wire_messages` through `wire_codec`, bounded by `schema.Limits`) describes the
 sequence — layout fingerprint, blocks and their prefix hashes, payload frames with xxh3 checksums
 (`checksum`), and the state decode needs to continue — and raw payload frames follow, read
 straight from pool memory (`export`), or re-blocked by the sender into the receiver's block size

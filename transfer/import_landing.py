@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvcache.storage import KVStorage
-from transfer.messages import FrameDesc
+from transfer.wire_messages import FrameDesc
 from transfer.reblock import reblock_copy
 
 

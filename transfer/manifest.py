@@ -3,7 +3,7 @@
 A `Manifest` describes one migrated sequence: the sender's layout fingerprint, its blocks and
 their prefix hashes, the payload `FrameDesc`s with their checksums, the prefix blocks the
 receiver reuses, and the `DecodeState` decode needs to continue. Like the connection messages in
-`transfer.messages` it has `to_wire()` (a msgpack-able dict with the protocol version `v` and a
+`transfer.wire_messages` it has `to_wire()` (a msgpack-able dict with the protocol version `v` and a
 `kind`) and `from_wire(wire, limits)` (strict schema: known fields only, exact types, explicit
 bounds, internal consistency). `validate_fingerprint` and `PROTOCOL_VERSION` serve both modules.
 """

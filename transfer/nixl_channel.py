@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from transfer.errors import MalformedMessage, TransferError
-from transfer.messages import PoolOffer
+from transfer.wire_messages import PoolOffer
 from transfer.nixl_api import cluster_host
 from transfer.nixl_pool import NixlAgent, Region
 from transfer.pull import register_source

@@ -34,7 +34,7 @@ from transfer.checksum import (
     worker_pool,
 )
 from transfer.errors import FrameCountError, MalformedMessage
-from transfer.messages import PoolOffer
+from transfer.wire_messages import PoolOffer
 
 # way -> opener(blob: bytes, storage) -> a source with close(), `hashes` (whether it hashes while it
 # copies) and read_many([(offset, bufs), ...], threads) -> per item, the xxh3-64 of what landed when

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from transfer.admission import OPEN, refused
-from transfer.codec import decode, encode, unseal
+from transfer.wire_codec import decode, encode, unseal
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     FrameCountError,
@@ -27,7 +27,7 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.importer import ImportResult, ImportSession
-from transfer.messages import Manifest, Nack
+from transfer.wire_messages import Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.pull import drop_source
 from transfer.receiver_hello import HandshakeMixin

@@ -15,10 +15,10 @@ import queue
 import time
 
 from transfer.checksum import copy_hashed
-from transfer.codec import decode, unseal
+from transfer.wire_codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
 from transfer.importer import ImportResult
-from transfer.messages import Ack, Final
+from transfer.wire_messages import Ack, Final
 from transfer.pull import land_pulled, read_ahead
 from transfer.wire import TOKEN
 

@@ -94,7 +94,7 @@ class TransportConfig:
 
 def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", pool_path: str = ""):
     """This sender's handshake, signed when the config carries the cluster secret."""
-    from transfer.messages import Hello
+    from transfer.wire_messages import Hello
 
     hello = Hello(dict(fingerprint), config.peer_name, stream=stream, pool_path=pool_path, to=config.receiver)
     if not config.secret:
@@ -110,8 +110,8 @@ def authenticate_hello(body, nbytes: int, config: TransportConfig, seen: dict):
     the secret; otherwise a TransferError refusal is raised. Convention 15: before authentication
     every exception is a refusal, and a body over the hello limit is refused unread."""
     from transfer.admission import refused
-    from transfer.codec import decode
-    from transfer.messages import Hello
+    from transfer.wire_codec import decode
+    from transfer.wire_messages import Hello
     from transfer.refusals import as_refusal, too_big
 
     try:

@@ -21,9 +21,9 @@ import time
 
 import zmq
 
-from transfer.codec import decode, encode
+from transfer.wire_codec import decode, encode
 from transfer.errors import TransferError, TransferTimeout, TransportClosed, Unauthenticated
-from transfer.messages import Nack, PoolReply
+from transfer.wire_messages import Nack, PoolReply
 from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
 from transfer.stream_sender import FALLBACKS, OPEN_SLACK_S, DataStream

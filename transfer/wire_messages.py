@@ -2,7 +2,7 @@
 
 Every message is a frozen dataclass with `to_wire()` (a plain msgpack-able dict carrying the
 protocol version `v` and a `kind`) and `from_wire(wire, limits)` (strict schema: known fields
-only, exact types, explicit bounds, internal consistency); `transfer.codec` turns them into
+only, exact types, explicit bounds, internal consistency); `transfer.wire_codec` turns them into
 bytes. Connection: `Hello` -> `HelloReply` (layout fingerprints compared once per connection).
 Per transfer: optional `Query` -> `Held` (dedupe: which prefix blocks the receiver holds), then a
 `Manifest` (with its `FrameDesc`s and `DecodeState`, defined in `transfer.manifest` and

@@ -20,7 +20,7 @@ from transfer.errors import (
     TransferError,
     error_from_code,
 )
-from transfer.messages import MESSAGE_KINDS, PROTOCOL_VERSION, Nack
+from transfer.wire_messages import MESSAGE_KINDS, PROTOCOL_VERSION, Nack
 from transfer.schema import Limits
 
 DEFAULT_LIMITS = Limits()
