@@ -13,8 +13,8 @@ import time
 import msgpack
 
 from bench.fuzz_cases import Case, _d, mutate_bytes, mutate_wire, transfer_msgs
+from transfer.bulk_wire import END
 from transfer.checksum import checksum
-from transfer.stream_wire import END
 from transfer.wire import DATA, TOKEN
 
 

@@ -25,8 +25,8 @@ from prefill_worker.shipper import ShipJob, Shipped, Shipper
 from prefill_worker.streaming import StreamedMigrations
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
-from transfer.wire_messages import DecodeState
 from transfer.registry import validate as validate_transport
+from transfer.wire_messages import DecodeState
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
 from transfer.checksum import checksum
-from transfer.wire_codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.wire_messages import PoolOffer
 from transfer.pull import ShmAdvert, encode_offsets
 from transfer.transport import TransportConfig
 from transfer.wire import TOKEN
+from transfer.wire_codec import encode, seal
+from transfer.wire_messages import PoolOffer
 from transfer.zmq_channel import ZmqSender
 
 LAYOUT = KVLayout(block_size=16, **SHAPE)
@@ -49,8 +49,8 @@ def test_same_node_pool_is_read_in_place(plane):
         result = served.next()
         assert result.request_id == "r1" and ack.nbytes == result.nbytes > 0
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
-        stream = tx.channel.stream
-        assert stream is None or stream.sock is None  # nothing went on the data stream
+        link = tx.channel.bulk
+        assert link is None or link.sock is None  # nothing went on the bulk link
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -16,7 +16,7 @@ while the prompt computes: `stream_export`), `receiver.MessageReceiver` receives
 `receiver_hello` and `receiver_transfers`), over messages of one wire format (`wire`). A
 transport is only a channel that moves them (`channel` states the contract; `registry` finds a
 transport by name): ZeroMQ (`zmq_channel`, `zmq_receiver`, with the payload on a raw TCP/Unix
-data stream: `stream_wire`, `stream_sender`, `stream_receiver`), Ray actor calls (`ray_channel`,
+bulk link: `bulk_wire`, `bulk_sender`, `bulk_receiver`), Ray actor calls (`ray_channel`,
 `ray_transport`), and NIXL (`nixl_channel`, `nixl_pool`: ZeroMQ control, the payload read
 one-sided from the sender's registered pool). A receiver may read a payload from the sender's
 own pool instead of the wire (`pull`: a same-node /dev/shm pool, or NIXL). `faults` injects the

@@ -25,7 +25,6 @@ import numpy as np
 from kvcache.manager import KVCacheManager
 from kvcache.table import BlockTable, blocks_for
 from transfer.checksum import checksum_parts, copy_hashed
-from transfer.wire_codec import DEFAULT_LIMITS, decode_manifest
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     ChecksumError,
@@ -37,11 +36,12 @@ from transfer.errors import (
 )
 from transfer.import_checks import cached_prefix, check_manifest, check_reuse
 from transfer.import_landing import pool_segments, reblock_staged, slot_segments
-from transfer.wire_messages import DecodeState, Manifest
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan
 from transfer.schema import Limits
 from transfer.staging import DeviceSink
+from transfer.wire_codec import DEFAULT_LIMITS, decode_manifest
+from transfer.wire_messages import DecodeState, Manifest
 
 
 @dataclass

@@ -18,7 +18,7 @@ from transfer.errors import LimitExceeded, MalformedMessage
 from transfer.schema import U32, U64, Limits, get, get_int, get_packed, get_str, pack, require_keys
 
 PROTOCOL_VERSION = 5  # 2: the fingerprint names the model; 3: the handshake is signed;
-# 4: manifests are sealed with their checksum, and the handshake opens a raw data stream;
+# 4: manifests are sealed with their checksum, and the handshake opens a bulk link;
 # 5: frames may carry blocks re-blocked by the sender (frame_block_size)
 MAX_EPOCH = (1 << 63) - 1
 FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout", "model")

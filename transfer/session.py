@@ -18,13 +18,13 @@ import time
 
 from transfer.blocks import prefix_hashes_at
 from transfer.checksum import checksum
-from transfer.wire_codec import decode_reply, encode, seal
 from transfer.errors import DedupeMiss, HandshakeRequired, MalformedMessage, TransferError, TransportClosed
-from transfer.wire_messages import Ack, Final, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.stream_export import StreamedExport
 from transfer.transport import RECEIVER_PHASES, TransportConfig, check_reply, make_hello
+from transfer.wire_codec import decode_reply, encode, seal
+from transfer.wire_messages import Ack, Final, Held, HelloReply, Query
 
 
 class SenderSession:
