@@ -229,7 +229,7 @@ def _pull_refused(tx, served, ex, offsets, error, before, sums=None, token=7, or
 
 
 def test_a_source_that_does_not_hash_is_read_in_groups_each_hashed_while_the_next_lands():
-    # transfer.pull._landed with a source that only moves bytes (as a NIXL agent's READ does):
+    # transfer.pull._land_chunks with a source that only moves bytes (as a NIXL agent's READ does):
     # above PARALLEL_MIN_BYTES it reads READ_GROUPS groups, and every digest is of what landed
     import numpy as np
 
@@ -259,9 +259,9 @@ def test_a_source_that_does_not_hash_is_read_in_groups_each_hashed_while_the_nex
     items = [(i * chunk, [memoryview(local[i * chunk:i * chunk + chunk // 2]),
                           memoryview(local[i * chunk + chunk // 2:(i + 1) * chunk])]) for i in range(8)]
     src = CopySource()
-    digests = pull._landed(src, items, threads=2)
+    digests = pull._land_chunks(src, items, threads=2)
     assert src.calls == [2] * pull.READ_GROUPS and np.array_equal(local, remote)
     assert digests == [checksum_parts(bufs) for _, bufs in items]
     assert digests[3] == checksum_parts([memoryview(remote[3 * chunk:4 * chunk])])
     src = CopySource()  # one thread: one read, hashed after
-    assert pull._landed(src, items, threads=1) == digests and src.calls == [8]
+    assert pull._land_chunks(src, items, threads=1) == digests and src.calls == [8]

@@ -5,7 +5,7 @@ sequence — layout fingerprint, blocks and their prefix hashes, payload frames 
 (`checksum`), and the state decode needs to continue — and raw payload frames follow, read
 straight from pool memory (`export`), or re-blocked by the sender into the receiver's block size
 (`export_reblock`), and written straight into blocks the receiver reserved all-or-nothing once
-the manifest passed its checks (`importer`, `import_checks`, `import_landing`; a receiver staged
+the manifest passed its checks (`importer`, `import_checks`, `import_segments`; a receiver staged
 and re-blocked (`reblock`) for senders that did not), staged through pinned host buffers for
 device pools (`staging`), with duplicate prefix blocks shared rather than sent (`blocks`), stale
 epochs refused (`epochs`) and sender blocks leased until the ack (`lease`). Payloads under

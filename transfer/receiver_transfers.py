@@ -1,6 +1,6 @@
 """How a receiver's transfers end, as a mixin of `transfer.receiver.MessageReceiver` (every
 channel's): superseded by a newer epoch of the same request (`_supersede`), payload chunks that
-came as messages (`_chunk`), payloads that finished landing on the bulk link (`_landed`,
+came as messages (`_chunk`), payloads that finished landing on the bulk link (`_commit_landed`,
 from `bulk_receiver`'s reader threads), payloads read from the sender's own pool (`_pull`,
 `transfer.pull`; `_sums` when their checksums follow), a streamed transfer's closing state
 (`_final`) or its cancellation (`_cancel`), and the commit with its ack (`_end`). Everything here
@@ -54,7 +54,7 @@ class PayloadMixin:
                 except TransferError:
                     pass
 
-    def _landed(self) -> ImportResult | None:
+    def _commit_landed(self) -> ImportResult | None:
         """Commit (or fail) the next payload that finished landing on the bulk link."""
         if self.streams is None:
             return None
@@ -175,7 +175,7 @@ class PayloadMixin:
             # END does): committing here would race the reader thread (a commit that fails or not
             # depending on which socket won, beside a reader still in the session) and leave the
             # landing on the peer, so the connection's next transfer would drop its chunks as
-            # stray. The commit runs when the landing finishes (`_landed`), bounded by its timeouts.
+            # stray. The commit runs when the landing finishes (`_commit_landed`), bounded by its timeouts.
             self.metrics.add("ends_before_landing")
             return None
         s.timings["recv_ms"] = (time.perf_counter() - peer.t0) * 1e3

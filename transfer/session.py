@@ -9,7 +9,7 @@ chaos benchmark's faults (`transfer.faults`) are applied here, to the manifest b
 payload pieces, so every channel suffers them alike. What differs between transports is only
 how bytes move, and that is the channel's (`transfer.channel.SenderChannel`: ZeroMQ in
 `zmq_channel`, Ray in `ray_channel`). Every error the channel raises is counted here once; a
-receiver's nack comes back as its typed error (`codec.decode_reply`).
+receiver's nack comes back as its typed error (`wire_codec.decode_reply`).
 """
 
 from __future__ import annotations
