@@ -43,7 +43,7 @@ class PayloadMixin:
     def _supersede(self, m) -> None:
         """An admitted transfer of a newer epoch ends an older one of the same request still in
         flight on another connection: the coordinator re-ran the request because that sender
-        died or froze, and the old stream would otherwise hold its blocks and the epoch until
+        died or froze, and the old transfer would otherwise hold its blocks and the epoch until
         its idle timeout, refusing the rerun."""
         for ident, p in list(self.active.items()):
             old = p.session.manifest
