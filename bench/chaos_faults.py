@@ -163,10 +163,10 @@ def forged_import(t: Target) -> dict:
     from measure.pools import fill_random_sequence, make_manager
     from protocol.sampling import SamplingParams
     from transfer.errors import TransferError
-    from transfer.messages import DecodeState
     from transfer.reblock import check_compatible
     from transfer.registry import get as get_transport
     from transfer.transport import TransportConfig
+    from transfer.wire_messages import DecodeState
 
     fp = t.fingerprint
     layout = KVLayout(fp["num_layers"], fp["num_kv_heads"], fp["head_dim"], fp["block_size"], fp["dtype"],

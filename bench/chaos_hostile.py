@@ -73,8 +73,8 @@ def send_http(port: int, repeats: int = REPEATS) -> dict:
 def _kv_messages(kind: str, fingerprint: dict, to: str) -> list[list[bytes]]:
     import msgpack
 
-    from transfer.codec import encode
-    from transfer.messages import PROTOCOL_VERSION, Hello
+    from transfer.wire_codec import encode
+    from transfer.wire_messages import PROTOCOL_VERSION, Hello
 
     if kind == "hello_tag_not_ascii":
         return [[b"H", encode(Hello(dict(fingerprint), "prefill-0", time.time(), secrets.token_hex(16),

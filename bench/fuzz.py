@@ -1,4 +1,4 @@
-"""`pdserve bench fuzz`: mutated manifests, control messages and data streams against a live
+"""`pdserve bench fuzz`: mutated manifests, control messages and bulk links against a live
 ZeroMQ receiver (mutation families: `bench.fuzz_mutators`).
 
 The receiver (`ZmqReceiver`, data plane "stream", over a real pool holding a resident sequence)
@@ -130,7 +130,7 @@ class Fuzzer(FuzzChecks):
         else:
             for t in opened:  # end every transfer the case may have opened: its verdict comes now
                 lane.sock.send_multipart([TOKEN.pack(b"E", t), b""])
-        from transfer.messages import Query
+        from transfer.wire_messages import Query
 
         probe = msgpack.packb(Query("probe", RX_BLOCK, ()).to_wire(), use_bin_type=True)
         lane.sock.send_multipart([b"Q", probe])
@@ -146,10 +146,10 @@ class Fuzzer(FuzzChecks):
         return self._codes(replies, lane, opened, case)
 
     def _dedupe_msgs(self, case, lane: Lane, token: int, replies: list) -> list:
-        from transfer.codec import encode, seal
         from transfer.export import export_sequence
-        from transfer.messages import Query
         from transfer.wire import DATA
+        from transfer.wire_codec import encode, seal
+        from transfer.wire_messages import Query
 
         t = case.template
         lane.sock.send_multipart([b"Q", encode(Query(case.request_id, RX_BLOCK, tuple(t.hashes)))])

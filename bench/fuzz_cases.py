@@ -1,6 +1,6 @@
 """Case data and builders of `pdserve bench fuzz`: the `Template` of a valid transfer of a real
 exported sequence, the `Case` the runner plays, helpers that build a template's control messages
-and data stream (optionally with damaged fields), and the generic byte and structured wire-dict
+and bulk link (optionally with damaged fields), and the generic byte and structured wire-dict
 mutations that the family generators (`bench.fuzz_mut_*`) apply.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from transfer.codec import seal
-from transfer.stream_wire import CHUNK, END, XFER, XFER_MAGIC
+from transfer.bulk_wire import CHUNK, END, XFER, XFER_MAGIC
 from transfer.wire import DATA, TOKEN
+from transfer.wire_codec import seal
 
 INTS = [-1, 0, 1, 2, 3, 7, 15, 16, 17, 4095, 4096, 4097, 1 << 12, (1 << 12) + 1, 1 << 21, (1 << 21) + 1,
         1 << 24, (1 << 24) + 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 1 << 40, (1 << 40) + 1, 2**63 - 1,
@@ -47,7 +47,7 @@ class Case:
     valid: bool = False
     lane: str = "main"              # "main" (shared connection), "fresh" (own connection), "pending"
     hello: object = "ok"            # fresh/pending lanes: "ok", None (no hello) or hello body bytes
-    stream_hello: bool = False      # fresh/pending lanes: ask for a data stream
+    stream_hello: bool = False      # fresh/pending lanes: ask for a bulk link
     msgs: list = field(default_factory=list)      # control messages [[header, body, ...], ...]
     stream: list | None = None      # ("open", mode), ("bytes", b), ("zmq", message), ("close",), ("stall",)
     wait_token: int | None = None   # stream cases: the transfer whose verdict ends the case

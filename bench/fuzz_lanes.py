@@ -1,5 +1,5 @@
 """The sender side of `pdserve bench fuzz`: a `Lane` is one DEALER connection to the receiver
-(with its handshake and, when it asked for one, its TCP data streams); `reply_code` names a
+(with its handshake and, when it asked for one, its TCP bulk links); `reply_code` names a
 reply, `Hang` is raised when a reply does not come within `hang_s`, and the helpers find the
 transfers a case's messages may open and play a case's stream operations.
 """
@@ -33,7 +33,7 @@ class Hang(Exception):
 
 
 class Lane:
-    """A DEALER connection to the receiver (and, when it asked for one, its data stream)."""
+    """A DEALER connection to the receiver (and, when it asked for one, its bulk link)."""
 
     def __init__(self, zctx, address: str, fingerprint: dict, stream: bool = True, hello="ok", hang_s=10.0,
                  secret: str = "", receiver: str = ""):
@@ -51,8 +51,8 @@ class Lane:
 
     def hello_body(self) -> bytes:
         """A fresh hello, signed for the receiver when the run has a secret (a new nonce each time)."""
-        from transfer.codec import encode
         from transfer.transport import TransportConfig, make_hello
+        from transfer.wire_codec import encode
 
         config = TransportConfig(peer_name="fuzz", secret=self.secret, receiver=self.receiver)
         self.last_hello = encode(make_hello(self.fingerprint, config, "tcp" if self.want_stream else ""))
@@ -85,7 +85,7 @@ class Lane:
                 return out
 
     def open_stream(self, mode: str):
-        from transfer.stream_wire import OPEN, OPEN_MAGIC
+        from transfer.bulk_wire import OPEN, OPEN_MAGIC
 
         s = socket.create_connection((self.host, self.port), timeout=self.hang_s)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -93,7 +93,7 @@ class Lane:
         if mode == "ok":
             s.sendall(OPEN.pack(OPEN_MAGIC, self.stream_token))
             if s.recv(1) != b"K":
-                raise Hang("the data stream did not open")
+                raise Hang("the bulk link did not open")
         elif mode == "token":
             s.sendall(OPEN.pack(OPEN_MAGIC, os.urandom(16)))
         elif mode == "magic":

@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgpack
 
 from bench.fuzz_cases import Case, manifest_body, mutate_bytes, mutate_wire, stream_bytes, transfer_msgs
-from transfer.codec import seal
 from transfer.wire import TOKEN
+from transfer.wire_codec import seal
 
 
 def gen_valid_zmq(rng, t, token, rid):

@@ -13,8 +13,8 @@ import time
 import msgpack
 
 from bench.fuzz_cases import Case, _d, mutate_bytes, mutate_wire, transfer_msgs
+from transfer.bulk_wire import END
 from transfer.checksum import checksum
-from transfer.stream_wire import END
 from transfer.wire import DATA, TOKEN
 
 
@@ -59,7 +59,7 @@ SIGNED_EDITS = {"tag": HEX_EDITS, "nonce": HEX_EDITS,
 
 
 def gen_hello(rng, t, token, rid):
-    from transfer.messages import Hello
+    from transfer.wire_messages import Hello
 
     fp = dict(t.wire["fingerprint"])
     k = rng.random()
@@ -99,7 +99,7 @@ def gen_hello(rng, t, token, rid):
 
 
 def gen_query(rng, t, token, rid):
-    from transfer.messages import Query
+    from transfer.wire_messages import Query
 
     w = Query(rid, 16, tuple(t.hashes)).to_wire()
     k = rng.random()
@@ -187,7 +187,7 @@ def gen_sequence(rng, t, token, rid):
     elif op == "no_manifest":
         m = m[1:]
     elif op == "hello_mid":
-        from transfer.messages import Hello
+        from transfer.wire_messages import Hello
 
         hello = msgpack.packb(Hello(dict(t.wire["fingerprint"]), "fuzz").to_wire(), use_bin_type=True)
         m.insert(rng.randint(1, len(m) - 1), [b"H", hello])

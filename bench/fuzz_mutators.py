@@ -6,7 +6,7 @@ them, or re-sealed, so the msgpack parser sees them), structured edits of the ma
 (out-of-range numbers, wrong types, huge lists, deleted and unknown keys, wrong versions and
 kinds; re-sealed so they reach the schema validator), message headers (kinds, lengths, tokens,
 parts), handshakes and dedupe queries, payload chunks (dropped, repeated, reordered, truncated,
-extended, flipped, misnumbered), message order, and the raw data stream (OPEN, XFER and CHUNK
+extended, flipped, misnumbered), message order, and the bulk link (OPEN, XFER and CHUNK
 headers, early close, extra bytes). Valid transfers are mixed in. A `Case` is plain data: the
 control messages to send after the handshake, and stream operations the runner materializes
 with the connection's real stream token. The case data and builders live in `bench.fuzz_cases`,

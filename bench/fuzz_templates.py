@@ -19,9 +19,9 @@ def make_templates(seed: int):
     from measure.pools import fill_random_sequence, kv_digest, make_manager
     from transfer.blocks import prefix_hashes_at
     from transfer.checksum import checksum
-    from transfer.codec import encode
     from transfer.export import ExportConfig, export_sequence
-    from transfer.messages import DecodeState
+    from transfer.wire_codec import encode
+    from transfer.wire_messages import DecodeState
 
     gen = torch.Generator().manual_seed(seed)
     templates, sources = [], {}

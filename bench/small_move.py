@@ -37,13 +37,13 @@ from measure.machine import describe
 from measure.pools import fill_random_sequence, make_manager, parse_kv_shape
 from measure.ray_receiver import release_import
 from transfer.checksum import checksum, copy_hashed
-from transfer.codec import decode, encode, seal, unseal
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession
-from transfer.messages import Ack, Manifest
 from transfer.reblock import check_compatible
 from transfer.session import SenderSession
 from transfer.transport import TransportConfig
+from transfer.wire_codec import decode, encode, seal, unseal
+from transfer.wire_messages import Ack, Manifest
 from transfer.zmq_channel import ZmqChannel
 from transfer.zmq_receiver import ZmqReceiver
 

@@ -36,7 +36,7 @@ class Membership:
 
     # ---- the worker table -------------------------------------------------------------------------
     def place(self, workers: dict[str, WorkerState]) -> None:
-        """The workers placed at start: in the table at once (their first reports land there),
+        """The workers placed at start: in the table at once (their first reports arrive there),
         routed to once the driver's start has brought them all up."""
         self.state.workers.update(workers)
 

@@ -40,9 +40,9 @@ from kvcache.storage import KVLayout
 from measure.migrate_endpoints import TRANSPORTS, Receivers, _actors
 from measure.migrate_peer import PeerProcess
 from measure.pools import fill_random_sequence, kv_digest, make_manager, parse_kv_shape
-from transfer.codec import encode
 from transfer.export import export_sequence
 from transfer.wire import DATA
+from transfer.wire_codec import encode
 
 
 @dataclass(frozen=True)

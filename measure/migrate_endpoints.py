@@ -14,7 +14,7 @@ import numpy as np
 from transfer.transport import TransportConfig, ipc_address
 
 
-# zmq-tcp / zmq-ipc: ZeroMQ control + the raw data stream (the default data plane);
+# zmq-tcp / zmq-ipc: ZeroMQ control + the bulk link (the default data plane);
 # zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq");
 # zmq-shm: ZeroMQ control, the payload read by the receiver from the sender's /dev/shm pool
 #   (same node, transfer.pull); nixl: ZeroMQ control, the payload read by the receiver's NIXL agent

@@ -189,7 +189,7 @@ def setups(cfg: ServeBenchConfig) -> list[Setup]:
                     for b in budgets]
         elif mode == "per_request":  # once, with the cluster's default migration (streamed)
             out.append(Setup(mode, True, cfg.step_budget, label(mode, True)))
-        else:  # every transport streams (over the data stream, or chunk messages where there is none)
+        else:  # every transport streams (over the bulk link, or chunk messages where there is none)
             out += [Setup(mode, s, cfg.step_budget, label(mode, s)) for s in cfg.streamed]
     return out
 

@@ -1,4 +1,4 @@
-"""`pdserve bench fuzz`: mutated manifests, control messages and data streams against a live KV
+"""`pdserve bench fuzz`: mutated manifests, control messages and bulk links against a live KV
 receiver in a child process (bench.fuzz); reports cases, crashes, hangs, leaks and false positives
 (valid transfers refused or landed wrong), per mutation family with the typed codes it was refused
 with. Exit status 1 unless all four are 0."""
@@ -6,7 +6,7 @@ with. Exit status 1 unless all four are 0."""
 from __future__ import annotations
 
 NAME = "fuzz"
-HELP = "fuzz the KV receiver: mutated manifests, control messages and data streams; crashes/hangs/leaks"
+HELP = "fuzz the KV receiver: mutated manifests, control messages and bulk links; crashes/hangs/leaks"
 GROUP = "bench"
 
 

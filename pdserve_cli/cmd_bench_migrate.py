@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk-mib", type=float, help="wire chunk size in MiB (default 2)")
     p.add_argument("--inline-kib", type=int,
                    help="zmq-tcp / zmq-ipc: payloads up to this many KiB follow the manifest on the control "
-                        "socket instead of the data stream (TransportConfig.inline_bytes, default 256; 0: "
+                        "socket instead of the bulk link (TransportConfig.inline_bytes, default 256; 0: "
                         "every payload streams): run it twice to find the crossover")
     p.add_argument("--keyed", action="store_true",
                    help="key the ZeroMQ endpoints with a fresh cluster secret, as `pdserve up` does (CURVE "

@@ -1,7 +1,7 @@
 """The prefill role on the worker runtime: prefill, send first tokens, migrate, hold on failure.
 
 After each engine step the handler hands every prefilled request to a transfer thread
-(`prefill_worker.shipper`), which migrates its live sequences to the decode worker the
+(`prefill_worker.migration_threads`), which migrates its live sequences to the decode worker the
 coordinator named, under the epoch it gave (`transfer/`), while the engine keeps stepping; a
 prompt still computing may stream its blocks already (`prefill_worker.streaming`, which shares
 the handler's `Migrations`). The request's blocks stay allocated, owned by the handler
@@ -20,13 +20,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prefill_worker.flights import Flight, Migrations, Target
-from prefill_worker.shipper import ShipJob, Shipped, Shipper
+from prefill_worker.migration_state import InFlightMigration, Migrations, Target
+from prefill_worker.migration_threads import MigrationJob, MigrationResult, MigrationThreads
 from prefill_worker.streaming import StreamedMigrations
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
-from transfer.messages import DecodeState
 from transfer.registry import validate as validate_transport
+from transfer.wire_messages import DecodeState
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class PrefillWorkerConfig(WorkerConfig):
     transfer_timeout_s: float = 30.0
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
     hold_s: float = 30.0
-    # ship a prompt's KV while it is still being computed: complete blocks leave after each prefill
+    # send a prompt's KV while it is still being computed: complete blocks leave after each prefill
     # chunk and the last ones with the first token (a streaming transport, CPU pools, one-choice requests;
     # anything else, or a stream that fails, migrates whole once the prefill is done)
     stream_migration: bool = True
@@ -50,27 +50,28 @@ class PrefillWorkerConfig(WorkerConfig):
 
 class PrefillHandler:
     def __init__(self, config: PrefillWorkerConfig, engine):
-        from transfer.senders import SenderPool
+        from transfer.sender_sessions import SenderSessions
 
         self.config, self.engine = config, engine
         self.migrations = Migrations()
         self.held: dict[str, tuple[int, float]] = {}         # request id -> (failed epoch, deadline)
         keys = config.keys
-        senders = SenderPool(config.name, config.transport, engine.storage.layout.fingerprint(),
+        senders = SenderSessions(config.name, config.transport, engine.storage.layout.fingerprint(),
                              config.namespace, config.transfer_timeout_s, keys.secret if keys else "",
                              pool=engine.storage)
         self.faults = senders.faults  # what InjectFault arms (the chaos benchmark)
-        self._shipped: list[Shipped] = []  # results not posted to a loop (before `attach`)
-        self._post_result = self._shipped.append  # where `_post` sends a result: the loop once attached
-        self.shipper = Shipper(senders, engine.kv, self._post, gap_s=config.transfer_timeout_s)
-        self.streaming = StreamedMigrations(engine, self.shipper, self.migrations)
+        self._results: list[MigrationResult] = []  # results not posted to a loop (before `attach`)
+        self._post_result = self._results.append  # where `_post` sends a result: the loop once attached
+        self.migration_threads = MigrationThreads(senders, engine.kv, self._post,
+                                                  gap_s=config.transfer_timeout_s)
+        self.streaming = StreamedMigrations(engine, self.migration_threads, self.migrations)
         self.prefills = self.resends = self.hold_expired = self.stream_fallbacks = 0
 
     def attach(self, post) -> None:
         """The worker loop's `send`: a finished migration wakes the loop as a queued command."""
         self._post_result = post
 
-    def _post(self, done: Shipped) -> None:
+    def _post(self, done: MigrationResult) -> None:
         """A transfer thread's result (called on that thread)."""
         self._post_result(done)
 
@@ -87,7 +88,7 @@ class PrefillHandler:
         if isinstance(cmd, (Abort, DropHeld)):
             return QUEUE
         if isinstance(cmd, Connect):  # the handshake runs on that decode worker's transfer thread
-            return Reply(error=self.shipper.connect(cmd.decode_worker, cmd.decode_address,
+            return Reply(error=self.migration_threads.connect(cmd.decode_worker, cmd.decode_address,
                                                     self.config.transfer_timeout_s) or "")
         if isinstance(cmd, Resend):
             return CALL
@@ -104,8 +105,8 @@ class PrefillHandler:
                 self._release(cmd.request_id)
         elif isinstance(cmd, Resend):
             return self._resend(cmd)
-        elif isinstance(cmd, Shipped):
-            self._landed(cmd, events)
+        elif isinstance(cmd, MigrationResult):
+            self._migration_done(cmd, events)
         return Reply()
 
     def _release(self, rid: str) -> None:
@@ -149,20 +150,20 @@ class PrefillHandler:
                 self.migrations.targets.pop(o.request_id, None)  # every choice ended at its first token
 
     def after_step(self, events: list) -> None:
-        while self._shipped:  # finished before a loop was attached (a handler driven by hand)
-            self._landed(self._shipped.pop(0), events)
+        while self._results:  # finished before a loop was attached (a handler driven by hand)
+            self._migration_done(self._results.pop(0), events)
         if self.config.stream_migration and self.engine.storage.device.type == "cpu":
             self.streaming.progress()
         for rid in list(self.engine.prefilled):
             flight = self.migrations.inflight.get(rid)
             if flight is None and rid not in self.held:
-                self._ship(rid)
+                self._start_migration(rid)
             elif flight is not None and flight.feed is not None \
                     and not (flight.finalized or flight.cancelled):
                 self.streaming.finalize(rid, flight)
         self._expire_held(events)
 
-    def _ship(self, rid: str) -> None:
+    def _start_migration(self, rid: str) -> None:
         """Hand a prefilled request to its decode worker's transfer thread; the blocks stay ours."""
         target = self.migrations.targets.pop(rid, None)
         req = self.engine.prefilled.pop(rid)
@@ -172,10 +173,11 @@ class PrefillHandler:
         sampling = req.params.to_dict()
         seqs = [(s.seq_id, f"{rid}/{s.index}", DecodeState(list(s.token_ids), sampling, len(s.output_ids)))
                 for s in req.live_seqs]
-        self.migrations.inflight[rid] = Flight(req)
-        self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, seqs))
+        self.migrations.inflight[rid] = InFlightMigration(req)
+        job = MigrationJob(rid, target.decode_worker, target.decode_address, target.epoch, seqs)
+        self.migration_threads.start(job)
 
-    def _landed(self, done: Shipped, events: list) -> None:
+    def _migration_done(self, done: MigrationResult, events: list) -> None:
         """A transfer thread's result, on the loop thread: free the blocks, or hold them."""
         job = done.job
         flight = self.migrations.inflight.pop(job.rid)
@@ -243,4 +245,4 @@ class PrefillHandler:
         # a stream waiting for blocks ends now, not at its timeout
         for flight in self.migrations.inflight.values():
             flight.cancel()
-        self.shipper.close()
+        self.migration_threads.close()

@@ -1,6 +1,6 @@
 """Streamed migration on the prefill side: while a one-choice request's prompt is still being
 prefilled, its complete blocks are pinned (referenced until the transfer returns) and fed to the
-decode worker's transfer thread (`prefill_worker.shipper`), and once the prompt is computed the
+decode worker's transfer thread (`prefill_worker.migration_threads`), and once the prompt is computed the
 last blocks go with the first token's decode state. Each attempt (target) of a request streams
 at most once: a stream that failed while the prompt was computing is not restarted, the request
 migrates whole after its prefill. `PrefillHandler` owns one `StreamedMigrations` and calls it on
@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import queue
 
-from prefill_worker.flights import Flight, Migrations, Target
-from prefill_worker.shipper import ShipJob, Shipper
-from transfer.messages import DecodeState
+from prefill_worker.migration_state import InFlightMigration, Migrations, Target
+from prefill_worker.migration_threads import MigrationJob, MigrationThreads
+from transfer.wire_messages import DecodeState
 
 
 class StreamedMigrations:
     """Starts, feeds and closes the streamed migrations of one prefill worker.
 
-    engine: the worker's LLMEngine (its requests, computed blocks and allocator); shipper: the
+    engine: the worker's LLMEngine (its requests, computed blocks and allocator); migration_threads: the
     transfer threads the streams run on; migrations: the targets and flights shared with the handler.
     """
 
-    def __init__(self, engine, shipper: Shipper, migrations: Migrations):
-        self.engine, self.shipper, self.migrations = engine, shipper, migrations
+    def __init__(self, engine, migration_threads: MigrationThreads, migrations: Migrations):
+        self.engine, self.migration_threads, self.migrations = engine, migration_threads, migrations
         self.tried: dict[str, Target] = {}  # request id -> the target it streamed to
         self.started = 0                    # streams started (the `streamed_migrations` stat)
 
@@ -51,16 +51,17 @@ class StreamedMigrations:
                 if not done or s.num_computed >= len(s.token_ids) or self.tried.get(rid) is target:
                     continue
                 self.tried[rid] = target
-                flight = inflight[rid] = Flight(None, feed=queue.SimpleQueue())
-                self.shipper.ship(ShipJob(rid, target.decode_worker, target.decode_address, target.epoch, [],
-                                          flight.feed, list(s.token_ids), req.params.to_dict()))
+                flight = inflight[rid] = InFlightMigration(None, feed=queue.SimpleQueue())
+                self.migration_threads.start(MigrationJob(rid, target.decode_worker, target.decode_address,
+                                                          target.epoch, [], flight.feed, list(s.token_ids),
+                                                          req.params.to_dict()))
                 self.started += 1
             if not (flight.finalized or flight.cancelled):
                 new = self._pin(flight, done)
                 if new:
                     flight.feed.put(new)
 
-    def finalize(self, rid: str, flight: Flight) -> None:
+    def finalize(self, rid: str, flight: InFlightMigration) -> None:
         """The prompt is computed: the last blocks and the decode state close the stream."""
         req = flight.request = self.engine.prefilled.pop(rid)
         self.migrations.targets.pop(rid, None)
@@ -70,7 +71,7 @@ class StreamedMigrations:
         flight.feed.put((last, DecodeState(list(s.token_ids), req.params.to_dict(), len(s.output_ids))))
         flight.finalized = True
 
-    def _pin(self, flight: Flight, blocks: list[int]) -> list:
+    def _pin(self, flight: InFlightMigration, blocks: list[int]) -> list:
         """(logical, physical) pairs of `blocks` (physical, by logical index) not handed over yet,
         each referenced until the transfer returns."""
         new = list(enumerate(blocks))[flight.sent:]

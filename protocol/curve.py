@@ -1,6 +1,6 @@
 """Cluster keys for the ZeroMQ sockets: CURVE encryption plus a ZAP allowlist on the report socket
 and on the KV control socket, and an HMAC keyed handshake for KV connections (whose bulk bytes,
-on the raw data stream, stay unencrypted for speed).
+on the bulk link, stay unencrypted for speed).
 
 `pdserve up` makes one `ClusterKeys` at start and hands it to every worker through Ray. A report
 socket (`PullQueue`) is a CURVE server that admits only clients holding the cluster's key pair,

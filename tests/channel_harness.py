@@ -2,7 +2,7 @@
 conformance suite (test_channel_conformance.py).
 
 A `Rig` is one transport: receivers of a few block sizes (each made once, reset between tests)
-and sender sessions built by the registry's `make_sender`, as a prefill worker's `SenderPool`
+and sender sessions built by the registry's `make_sender`, as a prefill worker's `SenderSessions`
 builds them (checksum mode from the registry, signed with the cluster secret, addressed to the
 receiver by name). Everything a test asks of a receiver runs on the receiver's owner thread, as a
 decode worker's commands do: `Rx.call(fn, *args)` runs `fn(endpoint, *args)` there.
@@ -306,7 +306,7 @@ class Rig:
 
     def sender(self, src, rx: Rx, *, peer_name: str = SENDER, secret: str = SECRET,
                faults: Faults | None = None, **overrides):
-        """A sender session from `src`'s pool to `rx`, configured as a prefill worker's SenderPool does;
+        """A sender session from `src`'s pool to `rx`, configured as a prefill worker's SenderSessions does;
         inline_bytes 0 unless overridden: every payload is queried first and takes the data path."""
         settings = dict(address=rx.address, peer_name=peer_name, receiver=rx.name, secret=secret,
                         checksum_mode=self.transport.checksum_mode, connect_timeout_s=60.0,

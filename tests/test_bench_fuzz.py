@@ -1,6 +1,6 @@
 """`pdserve bench fuzz` against a live receiver in a child process: a few hundred seeded cases of
 every mutation family (manifest bytes sealed and re-sealed, manifest fields, headers, handshakes,
-dedupe queries, chunks, message order, the data stream, abandoned transfers) and valid transfers
+dedupe queries, chunks, message order, the bulk link, abandoned transfers) and valid transfers
 mixed in. No crash, no hang, no leak, no valid transfer refused or landed wrong; every family
 was exercised and refused with the receiver's typed error codes."""
 

@@ -35,7 +35,7 @@ from transfer import registry
 from transfer.blocks import prefix_hashes_at
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
-from transfer.messages import DecodeState
+from transfer.wire_messages import DecodeState
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -135,7 +135,7 @@ def test_metrics_and_cluster_info_describe_the_workers(cluster):
     transport = cluster.backend.config.transport
     assert f'pdserve_migration_latency_seconds_count{{transport="{transport}"}}' in text
     phases = ["query", "export", "wire", "prepare", "commit"]
-    phases += ["land", "verify"] if transport == "zmq" else []  # the data stream's phases
+    phases += ["land", "verify"] if transport == "zmq" else []  # the bulk link's phases
     for phase in phases:  # where the milliseconds of each migration went
         assert f'pdserve_migration_phase_seconds_count{{phase="{phase}",transport="{transport}"}}' in text
     assert 'pdserve_pool_blocks{role="decode",state="total",worker="decode-0"}' in text

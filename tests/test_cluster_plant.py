@@ -24,8 +24,8 @@ from engine.sampling import SamplingParams  # noqa: E402
 from kvcache.storage import KVLayout  # noqa: E402
 from measure.pools import fill_random_sequence, make_manager  # noqa: E402
 from transfer.errors import NotAdmitted, Unauthenticated  # noqa: E402
-from transfer.messages import DecodeState  # noqa: E402
 from transfer.transport import TransportConfig  # noqa: E402
+from transfer.wire_messages import DecodeState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,8 +17,8 @@ from measure.pools import fill_random_sequence, make_manager
 from protocol.codec import decode, encode
 from protocol.messages import Imported, RequestFailed, Reserve, Tokens
 from protocol.sampling import SamplingParams
-from transfer.messages import DecodeState
 from transfer.transport import TransportConfig
+from transfer.wire_messages import DecodeState
 from transfer.zmq_channel import ZmqSender
 
 

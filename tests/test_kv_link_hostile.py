@@ -1,4 +1,4 @@
-"""Issue 28's KV-link cases against real in-process receivers (ZeroMQ, its data stream, Ray's
+"""Issue 28's KV-link cases against real in-process receivers (ZeroMQ, its bulk link, Ray's
 endpoint): nothing an unauthenticated peer sends escapes as an exception or costs more than a few
 KiB, a bounded time, or a slot of admitted streams (case 2: a non-ASCII HMAC tag; case 4: an
 oversized hello; case 3: slow data-stream openings; case 9: idle connections without a
@@ -18,13 +18,13 @@ from zmq_helpers import Served, pool
 
 from measure.pools import fill_random_sequence
 from protocol.curve import ClusterKeys, hmac_verify, new_nonce
+from transfer import bulk_open
 from transfer import errors as E
-from transfer import stream_open
-from transfer.codec import encode
-from transfer.messages import PROTOCOL_VERSION
 from transfer.metrics import TransferMetrics
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello
+from transfer.wire_codec import encode
+from transfer.wire_messages import PROTOCOL_VERSION
 from transfer.zmq_channel import ZmqSender
 from transfer.zmq_handshake import client_keys
 
@@ -160,18 +160,18 @@ def test_case3_a_trickled_stream_opening_is_cut_at_its_total_deadline(gen):
 
 
 def test_case3_unauthenticated_openings_have_their_own_cap_and_cannot_keep_a_sender_out(gen, monkeypatch):
-    monkeypatch.setattr(stream_open, "MAX_OPENING", 4)
+    monkeypatch.setattr(bulk_open, "MAX_OPENING", 4)
     src, served = _source(gen, tokens=200), Served(pool(num_blocks=128), stream_open_s=30.0)
     config = TransportConfig(address=served.rx.address, inline_bytes=0)
     tx = ZmqSender(src.storage.layout.fingerprint(), config)
     idle = []
     try:
-        tx.migrate(src, "a", "first", 1)  # its data stream is open: an admitted stream's slot
+        tx.migrate(src, "a", "first", 1)  # its bulk link is open: an admitted stream's slot
         served.next()
         idle = [socket.create_connection(("127.0.0.1", served.rx.streams.port), timeout=5) for _ in range(6)]
         for s in idle:
             s.sendall(b"P")  # half an opening, held for its 30 s deadline
-        assert sum(s.recv(1) == stream_open.BUSY for s in idle[:2]) == 2  # past the cap: the oldest cut
+        assert sum(s.recv(1) == bulk_open.BUSY for s in idle[:2]) == 2  # past the cap: the oldest cut
         assert served.metrics.refusals["stream_busy"] == 2
         assert tx.migrate(src, "a", "second", 2).request_id == "second"  # the open stream still works
         served.next()
@@ -180,7 +180,7 @@ def test_case3_unauthenticated_openings_have_their_own_cap_and_cannot_keep_a_sen
         try:  # every opening slot is held, yet a sender with its token opens a stream (issue 49)
             assert tx2.migrate(src, "a", "third", 3, dedupe=False).request_id == "third"
             assert served.next().request_id == "third"
-            assert tx2.channel.stream.sock is not None and sent.counters["data_stream_fallbacks"] == 0
+            assert tx2.channel.bulk.sock is not None and sent.counters["data_stream_fallbacks"] == 0
         finally:
             tx2.close()
     finally:

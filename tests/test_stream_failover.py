@@ -1,6 +1,6 @@
 """Worker deaths in the middle of a streamed migration, on a local Ray cluster whose 32-token step
 budget splits the prompt into prefill chunks, over ZeroMQ and over Ray. The prefill workers'
-transfer threads are paused by the test gate (`Shipper.hold_streams`) right after a stream's
+transfer threads are paused by the test gate (`MigrationThreads.hold_streams`) right after a stream's
 first blocks went out, so each kill hits a stream the decode worker holds open (blocks reserved,
 landing), without racing a timer. A prefill worker killed mid-stream: the decode worker aborts
 the stream whole (on ZeroMQ when its socket closes, on Ray when the rerun's offer supersedes it;
@@ -50,15 +50,15 @@ def _probes_by_value():
 
 # ---- probes, run in a worker actor's process -----------------------------------------------------
 def _hold(actor) -> None:
-    actor.handler.shipper.hold_streams()
+    actor.handler.migration_threads.hold_streams()
 
 
 def _release(actor) -> None:
-    actor.handler.shipper.release_streams()
+    actor.handler.migration_threads.release_streams()
 
 
 def _held(actor) -> list[str]:
-    return actor.handler.shipper.holding()
+    return actor.handler.migration_threads.holding()
 
 
 def _finalized(actor, rid: str) -> bool:
@@ -249,14 +249,14 @@ def test_a_stream_that_failed_mid_prefill_is_not_restarted_the_request_migrates_
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
     from prefill_worker.handler import PrefillHandler, PrefillWorkerConfig
-    from prefill_worker.shipper import Shipped
+    from prefill_worker.migration_threads import MigrationResult
     from protocol.messages import Migrated, Submit
     from transfer.errors import TransportClosed
 
     engine = LLMEngine(EngineConfig(model="tiny", role="prefill", num_blocks=64, scheduler=STEP["scheduler"]))
     handler = PrefillHandler(PrefillWorkerConfig("p", ""), engine)
     jobs, events = [], []
-    handler.shipper.ship = jobs.append
+    handler.migration_threads.start = jobs.append
     try:
         handler.handle(Submit("r", PROMPT, SamplingParams(max_tokens=4), "d", "tcp://127.0.0.1:9", 2), events)
 
@@ -265,7 +265,7 @@ def test_a_stream_that_failed_mid_prefill_is_not_restarted_the_request_migrates_
             handler.after_step(events)
         step()
         assert [j.feed is not None for j in jobs] == [True]  # offered after the first chunk
-        handler.handle(Shipped(jobs[0], TransportClosed("cut"), 0.0), events)
+        handler.handle(MigrationResult(jobs[0], TransportClosed("cut"), 0.0), events)
         for _ in range(50):
             if "r" not in engine.requests:
                 break
@@ -273,7 +273,7 @@ def test_a_stream_that_failed_mid_prefill_is_not_restarted_the_request_migrates_
         assert [j.feed is not None for j in jobs] == [True, False]  # one stream, then one whole migration
         assert (handler.stats()["streamed_migrations"], handler.stream_fallbacks) == (1, 1)
         totals = {"payload_bytes": 1, "blocks": 13, "reused_blocks": 0, "sequences": 1}
-        handler.handle(Shipped(jobs[1], None, 1.0, totals), events)
+        handler.handle(MigrationResult(jobs[1], None, 1.0, totals), events)
         assert [e.request_id for e in events if isinstance(e, Migrated)] == ["r"]
         assert engine.kv.usage()["used_blocks"] == 0  # pinned and held blocks all returned
     finally:

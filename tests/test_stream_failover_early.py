@@ -1,7 +1,7 @@
 """A decode worker killed mid-stream while the prompt is still being computed, on a local Ray
 cluster (ZeroMQ): the prefill worker's engine is paused after its second prefill chunk (a test
 wrapper around `engine.step`, installed in the actor) and its stream after the first blocks
-(`Shipper.hold_streams`), so the stream breaks on the dead decode worker before its final state
+(`MigrationThreads.hold_streams`), so the stream breaks on the dead decode worker before its final state
 exists. The stream is not restarted; the prefill finishes, the whole migration to the dead worker
 fails, the held blocks are re-sent to the other decode worker (no second prefill), and the client
 gets the local engine's greedy tokens. Helpers and probes: test_stream_failover.py.
@@ -60,14 +60,14 @@ def _resume(actor) -> None:
 
 
 def _record_posts(actor) -> None:
-    """Keep (request id, error type) of every finished transfer the shipper hands to the loop."""
-    shipper, real = actor.handler.shipper, actor.handler.shipper.post
+    """Keep (request id, error type) of every finished transfer the migration_threads hands to the loop."""
+    migration_threads, real = actor.handler.migration_threads, actor.handler.migration_threads.post
     actor.test_posted = []
 
     def post(done):
         actor.test_posted.append((done.job.rid, type(done.error).__name__ if done.error else None))
         real(done)
-    shipper.post = post
+    migration_threads.post = post
 
 
 def _posted(actor) -> list:

@@ -1,5 +1,5 @@
-"""Issue 49, item 2: a data stream that cannot be filled. When the receiver will not open a data
-stream (its slots are taken), a whole or streamed migration goes on the control socket instead,
+"""Issue 49, item 2: a bulk link that cannot be filled. When the receiver will not open a bulk
+link (its slots are taken), a whole or streamed migration goes on the control socket instead,
 counted, and lands bit-exact; and a flood of half-finished connections to the data-stream port,
 re-opened as fast as they are cut, costs migrations that each re-open their stream nothing.
 Attacks go to loopback, bounded in threads and time; waits are bounded; nothing asserts a speed."""
@@ -13,13 +13,13 @@ from channel_harness import feed
 from zmq_helpers import Served, kv_bytes, pool
 
 from measure.pools import fill_random_sequence
-from transfer import stream_receiver
-from transfer.messages import DecodeState
+from transfer import bulk_receiver
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig
+from transfer.wire_messages import DecodeState
 from transfer.zmq_channel import ZmqSender
 
-FLOOD_THREADS = 96  # more than stream_open.MAX_OPENING (64)
+FLOOD_THREADS = 96  # more than bulk_open.MAX_OPENING (64)
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def _sender(served, metrics):
 
 
 def test_a_stream_the_receiver_will_not_open_falls_back_to_the_control_socket(gen, monkeypatch):
-    monkeypatch.setattr(stream_receiver, "MAX_STREAMS", 0)  # every opening is told "busy"
+    monkeypatch.setattr(bulk_receiver, "MAX_LINKS", 0)  # every opening is told "busy"
     src = pool(num_blocks=64)
     tokens = fill_random_sequence(src, "a", 200, gen)
     served, sent = Served(pool(num_blocks=128), auto_free=True), TransferMetrics()
@@ -79,7 +79,7 @@ def test_a_reconnecting_flood_of_half_openings_costs_migrations_nothing(gen):
         for t in flood:
             t.start()
         for i in range(8):
-            tx.channel.close_stream()  # as a cancelled streamed migration does: the next one re-opens
+            tx.channel.close_bulk()  # as a cancelled streamed migration does: the next one re-opens
             assert tx.migrate(src, "a", f"during-{i}", 1, dedupe=False).request_id == f"during-{i}"
             assert served.next().request_id == f"during-{i}"
     finally:

@@ -17,9 +17,9 @@ from zmq_helpers import pool, snapshot
 from measure.pools import fill_random_sequence, kv_digest
 from transfer import errors as E
 from transfer.faults import Faults
-from transfer.messages import DecodeState
 from transfer.stream_export import StreamedExport
 from transfer.transport import TransportConfig
+from transfer.wire_messages import DecodeState
 
 ray = pytest.importorskip("ray")
 POOL = ("free", "cached", "used", "tables")
@@ -117,7 +117,7 @@ def _call(w, *messages) -> list:
     """One Ray channel call to the in-process worker: its answers as (header, decoded body)."""
     import msgpack
 
-    from transfer.codec import decode
+    from transfer.wire_codec import decode
 
     replies = msgpack.unpackb(w.kv("c", msgpack.packb([h for h, _ in messages]), *[b for _, b in messages]))
     return [(h, decode(b)) for h, b in replies]
@@ -136,10 +136,10 @@ def test_decode_worker_admits_a_stream_only_under_its_reservation_and_an_abort_e
     from protocol.codec import decode as decode_command
     from protocol.codec import encode as encode_command
     from protocol.messages import Abort, Reserve
-    from transfer.codec import encode, seal
-    from transfer.messages import Final, HelloReply, Nack
     from transfer.transport import make_hello
     from transfer.wire import TOKEN
+    from transfer.wire_codec import encode, seal
+    from transfer.wire_messages import Final, HelloReply, Nack
 
     with in_process(DecodeWorker, {"name": "decode-rs", "transport": "ray", "engine": {"num_blocks": 32}}) \
             as (w, _):

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer import errors as E
-from transfer.codec import decode, decode_manifest, encode, unpack
-from transfer.messages import Ack, DecodeState, FrameDesc, Held, Hello, Manifest, Nack, Query
 from transfer.schema import Limits
+from transfer.wire_codec import decode, decode_manifest, encode, unpack
+from transfer.wire_messages import Ack, DecodeState, FrameDesc, Held, Hello, Manifest, Nack, Query
 
 FP = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16", "block_size": 16,
       "layout": "block-major/NL2BHD", "model": "test-model"}

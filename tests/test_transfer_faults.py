@@ -37,7 +37,7 @@ def test_each_injected_fault_is_caught_or_harmless(gen, kind):
     before = snapshot(dst)
     served = Served(dst, auto_free=True, idle_timeout_s=2.0)
     faults = Faults(delay_s=0.05)
-    # inline_bytes 0: this small payload takes the data stream, whose faults are under test
+    # inline_bytes 0: this small payload takes the bulk link, whose faults are under test
     config = TransportConfig(address=served.rx.address, chunk_bytes=4096, transfer_timeout_s=5.0,
                              inline_bytes=0)
     tx = ZmqSender(src.storage.layout.fingerprint(), config, faults=faults)
@@ -55,8 +55,8 @@ def test_each_injected_fault_is_caught_or_harmless(gen, kind):
         assert faults.injected[kind] == 1 and faults.take() is None
         tx.migrate(src, "a", "r2", 1, dedupe=False)  # the connection still works, intact
         assert served.next().request_id == "r2"
-        stream = tx.channel.stream
-        assert stream is not None and stream.sock is not None  # still on the data stream
+        link = tx.channel.bulk
+        assert link is not None and link.sock is not None  # still on the bulk link
         assert torch.equal(served.kv["r2"], kv_bytes(src, "a"))
     finally:
         tx.close()

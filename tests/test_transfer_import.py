@@ -13,12 +13,12 @@ from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, make_manager
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
-from transfer.codec import encode
 from transfer.epochs import EpochGuard
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence
 from transfer.lease import LeaseTable
 from transfer.metrics import TransferMetrics
+from transfer.wire_codec import encode
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 B/token
 

@@ -15,12 +15,12 @@ from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
 from transfer.checksum import checksum
-from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.messages import PoolOffer
 from transfer.pull import ShmAdvert, encode_offsets
 from transfer.transport import TransportConfig
 from transfer.wire import TOKEN
+from transfer.wire_codec import encode, seal
+from transfer.wire_messages import PoolOffer
 from transfer.zmq_channel import ZmqSender
 
 LAYOUT = KVLayout(block_size=16, **SHAPE)
@@ -49,8 +49,8 @@ def test_same_node_pool_is_read_in_place(plane):
         result = served.next()
         assert result.request_id == "r1" and ack.nbytes == result.nbytes > 0
         assert torch.equal(kv_bytes(served.manager, "r1"), kv_bytes(src, "a"))
-        stream = tx.channel.stream
-        assert stream is None or stream.sock is None  # nothing went on the data stream
+        link = tx.channel.bulk
+        assert link is None or link.sock is None  # nothing went on the bulk link
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -170,8 +170,8 @@ def test_checksums_after_a_declined_re_offer_fail_the_transfer(tmp_path):
     # left to read the staged chunks from, so "K" fails the transfer (the pool as it was)
     import time
 
-    from transfer.codec import decode
-    from transfer.messages import PoolReply
+    from transfer.wire_codec import decode
+    from transfer.wire_messages import PoolReply
 
     src = _source()
     with _linked(src, stage=True) as (served, tx):  # read at "K", not at "P"
@@ -229,7 +229,7 @@ def _pull_refused(tx, served, ex, offsets, error, before, sums=None, token=7, or
 
 
 def test_a_source_that_does_not_hash_is_read_in_groups_each_hashed_while_the_next_lands():
-    # transfer.pull._landed with a source that only moves bytes (as a NIXL agent's READ does):
+    # transfer.pull._land_chunks with a source that only moves bytes (as a NIXL agent's READ does):
     # above PARALLEL_MIN_BYTES it reads READ_GROUPS groups, and every digest is of what landed
     import numpy as np
 
@@ -259,9 +259,9 @@ def test_a_source_that_does_not_hash_is_read_in_groups_each_hashed_while_the_nex
     items = [(i * chunk, [memoryview(local[i * chunk:i * chunk + chunk // 2]),
                           memoryview(local[i * chunk + chunk // 2:(i + 1) * chunk])]) for i in range(8)]
     src = CopySource()
-    digests = pull._landed(src, items, threads=2)
+    digests = pull._land_chunks(src, items, threads=2)
     assert src.calls == [2] * pull.READ_GROUPS and np.array_equal(local, remote)
     assert digests == [checksum_parts(bufs) for _, bufs in items]
     assert digests[3] == checksum_parts([memoryview(remote[3 * chunk:4 * chunk])])
     src = CopySource()  # one thread: one read, hashed after
-    assert pull._landed(src, items, threads=1) == digests and src.calls == [8]
+    assert pull._land_chunks(src, items, threads=1) == digests and src.calls == [8]

@@ -1,8 +1,8 @@
-"""The raw data stream beside the ZeroMQ control channel (transfer.stream_wire): a receiver that
+"""The bulk link beside the ZeroMQ control channel (transfer.bulk_wire): a receiver that
 meets a wrong token, a stream cut halfway, more bytes than its offer, a stream for a transfer
 that was refused, or chunks out of order refuses it, counts it and keeps its pool exactly as it
 was; a proper sender still gets through afterwards, over tcp and over a Unix socket. Driven by
-`StreamPeer`: a hand-driven DEALER plus a raw stream socket."""
+`BulkPeer`: a hand-driven DEALER plus a raw link socket."""
 
 import socket
 import time
@@ -15,13 +15,13 @@ from zmq_helpers import Served, kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
 from transfer import errors as E
+from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.checksum import checksum
-from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.messages import Hello
-from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.transport import TransportConfig, ipc_address
 from transfer.wire import TOKEN
+from transfer.wire_codec import encode, seal
+from transfer.wire_messages import Hello
 from transfer.zmq_channel import ZmqSender
 
 
@@ -30,7 +30,7 @@ def gen():
     return torch.Generator().manual_seed(5)
 
 
-class StreamPeer:
+class BulkPeer:
     """Says hello asking for a tcp stream, then sends whatever the test wants."""
 
     def __init__(self, served, fingerprint):
@@ -99,7 +99,7 @@ def test_bad_streams_leave_the_pool_unchanged(gen, case):
     fill_random_sequence(dst, "resident", 30, gen)
     before = snapshot(dst)
     served = Served(dst, idle_timeout_s=1.0)
-    peer = StreamPeer(served, src.storage.layout.fingerprint())
+    peer = BulkPeer(served, src.storage.layout.fingerprint())
     ex = _export(src, gen)
     try:
         chunks = peer.chunks(ex)
@@ -162,7 +162,7 @@ def test_bad_streams_leave_the_pool_unchanged(gen, case):
                          ids=["stream", "zmq", "stream-small-inline"])
 def test_ipc_and_tcp_carry_the_same_bytes_on_either_data_plane(gen, plane, inline):
     """inline 0: the payload takes the named data plane; 1 MiB: this 43 KiB payload follows its
-    manifest on the control socket even though a data stream is open."""
+    manifest on the control socket even though a bulk link is open."""
     src, dst = pool(), pool()
     fill_random_sequence(src, "a", 333, gen)
     for address in ("tcp://127.0.0.1:0", ipc_address()):
@@ -171,12 +171,12 @@ def test_ipc_and_tcp_carry_the_same_bytes_on_either_data_plane(gen, plane, inlin
             address=served.rx.address, chunk_bytes=8192, data_plane=plane, inline_bytes=inline))
         try:
             tx.connect()
-            assert (tx.channel.stream is not None) == (plane == "stream")
+            assert (tx.channel.bulk is not None) == (plane == "stream")
             for i in range(3):
                 tx.migrate(src, "a", f"r{i}", 1, dedupe=False)
                 assert torch.equal(served.kv[served.next().seq_id], kv_bytes(src, "a"))
-            if plane == "stream":  # the data stream opens only for a payload that takes it
-                assert (tx.channel.stream.sock is None) == bool(inline)
+            if plane == "stream":  # the bulk link opens only for a payload that takes it
+                assert (tx.channel.bulk.sock is None) == bool(inline)
         finally:
             tx.close()
             served.stop()

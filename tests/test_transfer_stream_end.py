@@ -1,5 +1,5 @@
-"""An end marker on the control socket for a transfer whose payload is still landing on the data
-stream (what `pdserve bench fuzz`'s stream/end_mid_stream sends): the receiver must not commit
+"""An end marker on the control socket for a transfer whose payload is still landing on the bulk
+link (what `pdserve bench fuzz`'s stream/end_mid_stream sends): the receiver must not commit
 beside the stream's reader thread. The ordering is forced: every chunk has landed (the reader
 waits for the stream's END) when the end marker is served. The commit waits for the landing, and
 the connection's next transfer, payload on the control socket, still gets through (it used to be
@@ -15,14 +15,14 @@ import zmq
 from zmq_helpers import kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
+from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.checksum import checksum
-from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.messages import Hello
 from transfer.metrics import TransferMetrics
-from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
+from transfer.wire_codec import encode, seal
+from transfer.wire_messages import Hello
 from transfer.zmq_receiver import ZmqReceiver
 
 

@@ -15,11 +15,11 @@ from zmq_helpers import Served, pool, snapshot
 from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.checksum import checksum
-from transfer.codec import encode, seal
 from transfer.export import ExportConfig, export_sequence
-from transfer.messages import PROTOCOL_VERSION, Hello
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
+from transfer.wire_codec import encode, seal
+from transfer.wire_messages import PROTOCOL_VERSION, Hello
 from transfer.zmq_channel import ZmqSender
 
 

@@ -1,11 +1,11 @@
 """KV migration: moving one sequence's paged KV cache from a prefill worker's pool into a decode
 worker's pool, fast and provably intact. A versioned msgpack manifest (`manifest`, sent with the
-connection messages of `messages` through `codec`, bounded by `schema.Limits`) describes the
+connection messages of `wire_messages` through `wire_codec`, bounded by `schema.Limits`) describes the
 sequence — layout fingerprint, blocks and their prefix hashes, payload frames with xxh3 checksums
 (`checksum`), and the state decode needs to continue — and raw payload frames follow, read
 straight from pool memory (`export`), or re-blocked by the sender into the receiver's block size
 (`export_reblock`), and written straight into blocks the receiver reserved all-or-nothing once
-the manifest passed its checks (`importer`, `import_checks`, `import_landing`; a receiver staged
+the manifest passed its checks (`importer`, `import_checks`, `import_segments`; a receiver staged
 and re-blocked (`reblock`) for senders that did not), staged through pinned host buffers for
 device pools (`staging`), with duplicate prefix blocks shared rather than sent (`blocks`), stale
 epochs refused (`epochs`) and sender blocks leased until the ack (`lease`). Payloads under
@@ -16,7 +16,7 @@ while the prompt computes: `stream_export`), `receiver.MessageReceiver` receives
 `receiver_hello` and `receiver_transfers`), over messages of one wire format (`wire`). A
 transport is only a channel that moves them (`channel` states the contract; `registry` finds a
 transport by name): ZeroMQ (`zmq_channel`, `zmq_receiver`, with the payload on a raw TCP/Unix
-data stream: `stream_wire`, `stream_sender`, `stream_receiver`), Ray actor calls (`ray_channel`,
+bulk link: `bulk_wire`, `bulk_sender`, `bulk_receiver`), Ray actor calls (`ray_channel`,
 `ray_transport`), and NIXL (`nixl_channel`, `nixl_pool`: ZeroMQ control, the payload read
 one-sided from the sender's registered pool). A receiver may read a payload from the sender's
 own pool instead of the wire (`pull`: a same-node /dev/shm pool, or NIXL). `faults` injects the

@@ -40,13 +40,13 @@ class SenderChannel(Protocol):
     connected: bool  # a handshake went through on this connection (False again after a reset)
 
     def hello_fields(self) -> dict:
-        """`Hello` fields this channel asks for (a data stream, a same-node pool)."""
+        """`Hello` fields this channel asks for (a bulk link, a same-node pool)."""
 
     def request(self, kind: str, body: bytes, deadline: float) -> bytes:
         """A control request ("hello" or "query") and its reply body."""
 
     def accepted(self, reply) -> None:
-        """The receiver's (verified) `HelloReply`: take what it offers (a data stream, a mapped pool)."""
+        """The receiver's (verified) `HelloReply`: take what it offers (a bulk link, a mapped pool)."""
 
     def pulls(self) -> bool:
         """Whether the receiver reads whole payloads from this side's pool (`transfer.pull`): the

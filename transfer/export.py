@@ -21,11 +21,11 @@ import torch
 from kvcache.manager import KVCacheManager, blocks_for
 from transfer.blocks import skipped_blocks
 from transfer.checksum import checksum_many
-from transfer.codec import DEFAULT_LIMITS
 from transfer.export_reblock import block_runs, gather_reblocked
-from transfer.messages import DecodeState, FrameDesc, Manifest, validate_sampling
 from transfer.schema import Limits
 from transfer.staging import DeviceChunks, stage_all
+from transfer.wire_codec import DEFAULT_LIMITS
+from transfer.wire_messages import DecodeState, FrameDesc, Manifest, validate_sampling
 
 
 @dataclass(frozen=True)

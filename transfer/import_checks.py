@@ -19,8 +19,8 @@ from kvcache.storage import KVStorage
 from kvcache.table import blocks_for
 from transfer.blocks import prefix_hashes_at, skipped_blocks
 from transfer.errors import DedupeMiss, FingerprintMismatch, MalformedMessage, PoolFull
-from transfer.messages import Manifest
 from transfer.reblock import CompatPlan, check_compatible
+from transfer.wire_messages import Manifest
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ frame sizes, prefix hashes against the token ids, dedupe coverage; then sequence
 and only then reserves blocks (reused prefix blocks by `acquire_cached`, the rest by
 `allocate_many`, all or nothing; a small payload sent without a dedupe query shares the prefix
 blocks this receiver caches already, and their bytes land in staging and are dropped). Chunks
-must arrive in order; `chunk_buffers` says where the next one goes (`import_landing`: views of
+must arrive in order; `chunk_buffers` says where the next one goes (`import_segments`: views of
 the reserved pool blocks when the layouts match, a host staging buffer when re-blocking or
 dropping held blocks, a pinned ring slot for device pools), `chunk_done` verifies its size and
 checksum, and `commit` builds the table with `KVCacheManager.adopt`. Any failure calls `abort`:
@@ -25,7 +25,6 @@ import numpy as np
 from kvcache.manager import KVCacheManager
 from kvcache.table import BlockTable, blocks_for
 from transfer.checksum import checksum_parts, copy_hashed
-from transfer.codec import DEFAULT_LIMITS, decode_manifest
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     ChecksumError,
@@ -36,12 +35,13 @@ from transfer.errors import (
     TransferError,
 )
 from transfer.import_checks import cached_prefix, check_manifest, check_reuse
-from transfer.import_landing import pool_segments, reblock_staged, slot_segments
-from transfer.messages import DecodeState, Manifest
+from transfer.import_segments import pool_segments, reblock_staged, slot_segments
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan
 from transfer.schema import Limits
 from transfer.staging import DeviceSink
+from transfer.wire_codec import DEFAULT_LIMITS, decode_manifest
+from transfer.wire_messages import DecodeState, Manifest
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A `Manifest` describes one migrated sequence: the sender's layout fingerprint, its blocks and
 their prefix hashes, the payload `FrameDesc`s with their checksums, the prefix blocks the
 receiver reuses, and the `DecodeState` decode needs to continue. Like the connection messages in
-`transfer.messages` it has `to_wire()` (a msgpack-able dict with the protocol version `v` and a
+`transfer.wire_messages` it has `to_wire()` (a msgpack-able dict with the protocol version `v` and a
 `kind`) and `from_wire(wire, limits)` (strict schema: known fields only, exact types, explicit
 bounds, internal consistency). `validate_fingerprint` and `PROTOCOL_VERSION` serve both modules.
 """
@@ -18,7 +18,7 @@ from transfer.errors import LimitExceeded, MalformedMessage
 from transfer.schema import U32, U64, Limits, get, get_int, get_packed, get_str, pack, require_keys
 
 PROTOCOL_VERSION = 5  # 2: the fingerprint names the model; 3: the handshake is signed;
-# 4: manifests are sealed with their checksum, and the handshake opens a raw data stream;
+# 4: manifests are sealed with their checksum, and the handshake opens a bulk link;
 # 5: frames may carry blocks re-blocked by the sender (frame_block_size)
 MAX_EPOCH = (1 << 63) - 1
 FINGERPRINT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "layout", "model")

@@ -21,7 +21,7 @@ decode read from prefill for the same reason.
 Pools are registered as they are: host memory ("DRAM") or a CUDA pool ("VRAM"), so the same code
 serves both. A READ that times out may still land bytes later (UCX cannot cancel it), so the
 source closes its agent before the failed transfer's blocks are returned. A streamed migration
-(offered while the prompt is computed) pushes its blocks over the ZeroMQ data stream, as the zmq
+(offered while the prompt is computed) pushes its blocks over the ZeroMQ bulk link, as the zmq
 transport does: a pull would need a notice per batch. `nixl` is optional: `pip install
 'pdserve[nixl]'`; without it this transport's factories raise `NixlUnavailable` with that hint.
 """
@@ -35,10 +35,10 @@ import numpy as np
 import torch
 
 from transfer.errors import MalformedMessage, TransferError
-from transfer.messages import PoolOffer
 from transfer.nixl_api import cluster_host
 from transfer.nixl_pool import NixlAgent, Region
 from transfer.pull import register_source
+from transfer.wire_messages import PoolOffer
 
 READ_TIMEOUT_S = 30.0  # the longest one READ (a whole payload, at most) may take before the transfer fails
 

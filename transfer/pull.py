@@ -34,7 +34,7 @@ from transfer.checksum import (
     worker_pool,
 )
 from transfer.errors import FrameCountError, MalformedMessage
-from transfer.messages import PoolOffer
+from transfer.wire_messages import PoolOffer
 
 # way -> opener(blob: bytes, storage) -> a source with close(), `hashes` (whether it hashes while it
 # copies) and read_many([(offset, bufs), ...], threads) -> per item, the xxh3-64 of what landed when
@@ -77,7 +77,7 @@ def read_ahead(session, source, data, threads: int = 1) -> list[int] | None:
     if targets is None:
         return None
     offsets, cb = _offsets(session.manifest, data), session.manifest.chunk_bytes
-    return _landed(source, [(offsets[f] + c * cb, bufs) for f, c, _, bufs in targets], threads)
+    return _land_chunks(source, [(offsets[f] + c * cb, bufs) for f, c, _, bufs in targets], threads)
 
 
 def land_pulled(session, source, data, threads: int = 1, sums=None, landed=None) -> None:
@@ -101,7 +101,7 @@ def land_pulled(session, source, data, threads: int = 1, sums=None, landed=None)
     while (nxt := session.next_chunk()) is not None:
         f, c, nbytes = nxt
         bufs = session.chunk_buffers(f, c)
-        [digest] = _landed(source, [(offsets[f] + c * m.chunk_bytes, bufs)], 1)
+        [digest] = _land_chunks(source, [(offsets[f] + c * m.chunk_bytes, bufs)], 1)
         session.chunk_done(f, c, nbytes, bufs, expect[i], landed_checksum=digest)
         i += 1
 
@@ -127,7 +127,7 @@ def _expected(session, sums) -> list:
     return np.frombuffer(sums, dtype="<u8").tolist()
 
 
-def _landed(source, items, threads: int) -> list[int]:
+def _land_chunks(source, items, threads: int) -> list[int]:
     """Read `items` ((offset, buffers) pairs) from `source`; the xxh3-64 of what landed in each
     item's buffers: the source's own when it hashed while copying (`hashes`), else hashed here
     after it landed. A source that does not hash (a NIXL agent's one-sided READ) is read in

@@ -55,7 +55,7 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
 
 
 class RayChannel(ZmqChannel):
-    """The ZeroMQ channel's protocol over a `RayPipe` (no data stream: chunks travel in the calls)."""
+    """The ZeroMQ channel's protocol over a `RayPipe` (no bulk link: chunks travel in the calls)."""
 
     def __init__(self, actor, config: TransportConfig, metrics=None, advert=None):
         self.actor = actor
@@ -65,7 +65,7 @@ class RayChannel(ZmqChannel):
         return None
 
     def _where(self) -> tuple[str, str]:
-        return "ray", self.config.address  # the actor, reached by handle (no data stream)
+        return "ray", self.config.address  # the actor, reached by handle (no bulk link)
 
     def _open(self) -> None:
         self.sock = RayPipe(self.actor, self.config.transfer_timeout_s)

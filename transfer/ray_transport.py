@@ -22,13 +22,13 @@ import time
 
 import msgpack
 
-from transfer.codec import encode
 from transfer.errors import MalformedMessage, TransferError, TransportClosed
 from transfer.importer import ImportResult
-from transfer.messages import Nack
 from transfer.receiver import ListParts, MessageReceiver
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
+from transfer.wire_codec import encode
+from transfer.wire_messages import Nack
 
 MAX_MESSAGES = 4096  # messages in one call (a batch of chunks) and answers queued per connection
 

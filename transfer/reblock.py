@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from transfer.errors import FingerprintMismatch
-from transfer.messages import FINGERPRINT_KEYS
+from transfer.wire_messages import FINGERPRINT_KEYS
 
 
 @dataclass(frozen=True)

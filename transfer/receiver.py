@@ -7,7 +7,7 @@ a streamed transfer's final state, the commit and its ack, cancel, expiry, abort
 by a newer epoch (`receiver_transfers`), and the in-flight listing. It reads one message at a time as
 `Parts` (header, body, or a chunk's bytes, in the wire format of `transfer.wire`) and answers
 through `_deliver(connection, header, body)`. A channel's receiver is only how messages arrive
-and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the raw data stream's reader
+and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the bulk link's reader
 threads) and `ray_transport.RayReceiverEndpoint` (a Ray actor's calls). Every failure is a typed
 error: nacked, counted once, and the pool left as it was. The owner's thread only.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 
 from transfer.admission import OPEN, refused
-from transfer.codec import decode, encode, unseal
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     FrameCountError,
@@ -27,7 +26,6 @@ from transfer.errors import (
     TransferTimeout,
 )
 from transfer.importer import ImportResult, ImportSession
-from transfer.messages import Manifest, Nack
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.pull import drop_source
 from transfer.receiver_hello import HandshakeMixin
@@ -35,6 +33,8 @@ from transfer.receiver_transfers import PayloadMixin
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
+from transfer.wire_codec import decode, encode, unseal
+from transfer.wire_messages import Manifest, Nack
 from transfer.zmq_peers import Peer, PeerTable
 
 

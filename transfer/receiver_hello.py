@@ -2,7 +2,7 @@
 (every channel's): the handshake (`_hello`: at most `PREAUTH_MAX_BYTES`, checked before it is
 decoded; a signed hello must be addressed to this receiver, fresh and genuine before anything
 about the receiver is revealed; every failure up to there, of any exception type, is a counted
-refusal that never leaves `poll`; then layouts are compared, a data-stream token is issued when
+refusal that never leaves `poll`; then layouts are compared, a bulk-link token is issued when
 the sender asked for one, and the reply is signed for this hello), the sender's offer of its pool
 to read payloads from (`_pool`, `transfer.pull`) and the dedupe query (`_query`: answered only
 for an admitted request of the sender's). Owner's thread only.
@@ -11,15 +11,15 @@ for an admitted request of the sender's). Owner's thread only.
 from __future__ import annotations
 
 from transfer.admission import refused
-from transfer.codec import decode
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
-from transfer.messages import Held, HelloReply, PoolOffer, PoolReply, Query
 from transfer.nixl_api import cluster_host
 from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
 from transfer.refusals import as_refusal
 from transfer.transport import authenticate_hello, sign_reply
 from transfer.wire import TOKEN
+from transfer.wire_codec import decode
+from transfer.wire_messages import Held, HelloReply, PoolOffer, PoolReply, Query
 
 
 class HandshakeMixin:

@@ -1,7 +1,7 @@
 """How a receiver's transfers end, as a mixin of `transfer.receiver.MessageReceiver` (every
 channel's): superseded by a newer epoch of the same request (`_supersede`), payload chunks that
-came as messages (`_chunk`), payloads that finished landing on the raw data stream (`_landed`,
-from `stream_receiver`'s reader threads), payloads read from the sender's own pool (`_pull`,
+came as messages (`_chunk`), payloads that finished landing on the bulk link (`_commit_landed`,
+from `bulk_receiver`'s reader threads), payloads read from the sender's own pool (`_pull`,
 `transfer.pull`; `_sums` when their checksums follow), a streamed transfer's closing state
 (`_final`) or its cancellation (`_cancel`), and the commit with its ack (`_end`). Everything here
 runs on the receiver's owner thread; a failure goes through `_fail` (reservation released, nack,
@@ -15,12 +15,12 @@ import queue
 import time
 
 from transfer.checksum import copy_hashed
-from transfer.codec import decode, unseal
 from transfer.errors import MalformedMessage, StaleEpoch, TransferError, TransportClosed
 from transfer.importer import ImportResult
-from transfer.messages import Ack, Final
 from transfer.pull import land_pulled, read_ahead
 from transfer.wire import TOKEN
+from transfer.wire_codec import decode, unseal
+from transfer.wire_messages import Ack, Final
 
 
 class PayloadMixin:
@@ -43,7 +43,7 @@ class PayloadMixin:
     def _supersede(self, m) -> None:
         """An admitted transfer of a newer epoch ends an older one of the same request still in
         flight on another connection: the coordinator re-ran the request because that sender
-        died or froze, and the old stream would otherwise hold its blocks and the epoch until
+        died or froze, and the old transfer would otherwise hold its blocks and the epoch until
         its idle timeout, refusing the rerun."""
         for ident, p in list(self.active.items()):
             old = p.session.manifest
@@ -54,8 +54,8 @@ class PayloadMixin:
                 except TransferError:
                     pass
 
-    def _landed(self) -> ImportResult | None:
-        """Commit (or fail) the next payload that finished landing on the data stream."""
+    def _commit_landed(self) -> ImportResult | None:
+        """Commit (or fail) the next payload that finished landing on the bulk link."""
         if self.streams is None:
             return None
         self.streams.wake.clear()
@@ -94,7 +94,7 @@ class PayloadMixin:
             return self._fail(ident, peer, e)
         peer.final = final
         s.manifest = dataclasses.replace(m, state=final.state)
-        # landed on the data stream already, or its chunks came on this channel before the final
+        # landed on the bulk link already, or its chunks came on this channel before the final
         return self._end(ident, peer, token) if peer.landed or peer.landing is None else None
 
     def _cancel(self, ident: bytes, peer, token: int) -> None:
@@ -160,7 +160,7 @@ class PayloadMixin:
             s.chunk_done(f, c, n, bufs, cs, landed_checksum=landed)
         except TransferError as e:
             return self._fail(ident, peer, e)
-        tm = s.timings  # the same phases as the data stream's reader reports
+        tm = s.timings  # the same phases as the bulk link's reader reports
         tm["land_ms"] = tm.get("land_ms", 0.0) + (t1 - t0) * 1e3
         tm["verify_ms"] = tm.get("verify_ms", 0.0) + (time.perf_counter() - t1) * 1e3
         return None
@@ -170,12 +170,12 @@ class PayloadMixin:
         if s is None or token != peer.token or (peer.awaits_final and peer.final is None):
             self.metrics.add("stray_ends")
             return None
-        if peer.landing is not None:  # NOTE: its payload is still landing on the data stream
+        if peer.landing is not None:  # NOTE: its payload is still landing on the bulk link
             # An end marker on the control socket does not finish a streamed transfer (its stream's
             # END does): committing here would race the reader thread (a commit that fails or not
             # depending on which socket won, beside a reader still in the session) and leave the
             # landing on the peer, so the connection's next transfer would drop its chunks as
-            # stray. The commit runs when the landing finishes (`_landed`), bounded by its timeouts.
+            # stray. The commit runs when the landing finishes (`_commit_landed`), bounded by its timeouts.
             self.metrics.add("ends_before_landing")
             return None
         s.timings["recv_ms"] = (time.perf_counter() - peer.t0) * 1e3

@@ -9,7 +9,7 @@ chaos benchmark's faults (`transfer.faults`) are applied here, to the manifest b
 payload pieces, so every channel suffers them alike. What differs between transports is only
 how bytes move, and that is the channel's (`transfer.channel.SenderChannel`: ZeroMQ in
 `zmq_channel`, Ray in `ray_channel`). Every error the channel raises is counted here once; a
-receiver's nack comes back as its typed error (`codec.decode_reply`).
+receiver's nack comes back as its typed error (`wire_codec.decode_reply`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import time
 
 from transfer.blocks import prefix_hashes_at
 from transfer.checksum import checksum
-from transfer.codec import decode_reply, encode, seal
 from transfer.errors import DedupeMiss, HandshakeRequired, MalformedMessage, TransferError, TransportClosed
-from transfer.messages import Ack, Final, Held, HelloReply, Query
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.reblock import CompatPlan, check_compatible
 from transfer.stream_export import StreamedExport
 from transfer.transport import RECEIVER_PHASES, TransportConfig, check_reply, make_hello
+from transfer.wire_codec import decode_reply, encode, seal
+from transfer.wire_messages import Ack, Final, Held, HelloReply, Query
 
 
 class SenderSession:

@@ -44,17 +44,17 @@ class TransportConfig:
       refused by every other one.
     preauth_s: how long a ZeroMQ connection may go without completing its handshake before the
       receiver closes it, and forgets what it knew of it.
-    stream_open_s: the total deadline for a data stream's opening message (stream_receiver).
+    stream_open_s: the total deadline for a bulk link's opening message (bulk_receiver).
     limits: bounds on what a peer may claim.
     secret: the cluster secret (protocol.curve): senders sign their handshake with it and
       receivers refuse an unsigned, stale, replayed or wrongly signed one ('': no keyed handshake).
     data_plane: how ZeroMQ transfers carry payload bytes: "stream" (a raw TCP or Unix socket
-      beside the ZeroMQ control channel, landed with recv_into on a reader thread: stream_wire)
+      beside the ZeroMQ control channel, landed with recv_into on a reader thread: bulk_wire)
       or "zmq" (payload chunks as ZeroMQ messages on the control socket).
     inline_bytes: payloads up to this size make one round trip: `migrate` skips the dedupe
       query (the receiver's cache keeps its first copy of a prefix canonical, so a duplicate
       only costs its bytes), and a ZeroMQ sender puts the chunks on the control socket right
-      behind the manifest instead of on the data stream, saving the reader thread's hand-off
+      behind the manifest instead of on the bulk link, saving the reader thread's hand-off
       (0: every payload queries and streams; the default is measured with `pdserve bench migrate
       --inline-kib`, see the README).
     copy_threads: threads that hash a payload's chunks at export ("manifest" mode) and that copy
@@ -94,7 +94,7 @@ class TransportConfig:
 
 def make_hello(fingerprint: dict, config: TransportConfig, stream: str = "", pool_path: str = ""):
     """This sender's handshake, signed when the config carries the cluster secret."""
-    from transfer.messages import Hello
+    from transfer.wire_messages import Hello
 
     hello = Hello(dict(fingerprint), config.peer_name, stream=stream, pool_path=pool_path, to=config.receiver)
     if not config.secret:
@@ -110,9 +110,9 @@ def authenticate_hello(body, nbytes: int, config: TransportConfig, seen: dict):
     the secret; otherwise a TransferError refusal is raised. Convention 15: before authentication
     every exception is a refusal, and a body over the hello limit is refused unread."""
     from transfer.admission import refused
-    from transfer.codec import decode
-    from transfer.messages import Hello
     from transfer.refusals import as_refusal, too_big
+    from transfer.wire_codec import decode
+    from transfer.wire_messages import Hello
 
     try:
         err = too_big(nbytes, "hello")
@@ -154,5 +154,5 @@ def ipc_address(name: str | None = None, directory: str | None = None) -> str:
 
 
 # the receiver's phases of one import, from its ack (milliseconds): validate + reserve, bytes landing
-# in the blocks (data stream), checksums of landed chunks, adopting the blocks
+# in the blocks (bulk link), checksums of landed chunks, adopting the blocks
 RECEIVER_PHASES = ("prepare_ms", "land_ms", "verify_ms", "commit_ms")

@@ -8,9 +8,9 @@ DEALER; `ray_channel` and `ray_transport` in Ray actor calls). Every message is 
   M+token   manifest (msgpack Manifest)
   D+token+frame+chunk+xxh3   one payload chunk: raw bytes, sent zero-copy from pool memory
   E+token   end of payload (empty body)
-  S+token   manifest whose payload comes on the raw data stream (stream_wire)
-  O+token   a streamed offer (the prompt still computing): payload on the data stream, then F
-  W+token   a streamed offer whose chunks come as D messages here (no data stream), then F
+  S+token   manifest whose payload comes on the bulk link (bulk_wire)
+  O+token   a streamed offer (the prompt still computing): payload on the bulk link, then F
+  W+token   a streamed offer whose chunks come as D messages here (no bulk link), then F
   F+token   a streamed transfer's final state (msgpack Final, sealed)
   C+token   the sender cancels its transfer (empty body)
   P+token   instead of D...E: each frame's offset in the offered pool (uint64 LE; transfer.pull)

@@ -2,10 +2,10 @@
 
 A DEALER socket connected to the receiver carries the control messages (wire format:
 `transfer.wire`), a CURVE client with the cluster's key when the config has a secret
-(`zmq_handshake`); payloads go on the raw data stream the receiver offers in its hello reply
-(`stream_sender.DataStream`, opened with the signed token), or as ZeroMQ messages behind the
+(`zmq_handshake`); payloads go on the bulk link the receiver offers in its hello reply
+(`bulk_sender.BulkLink`, opened with the signed token), or as ZeroMQ messages behind the
 manifest when the payload is at most `inline_bytes`, the data plane is "zmq" or the receiver will
-not open the data stream (full or flooded: that transfer falls back, counted), or stay where
+not open the bulk link (full or flooded: that transfer falls back, counted), or stay where
 they are when the receiver accepted this side's pool offer (`transfer.pull`: it reads them from
 there). Chunks are sent zero-copy from pool memory or a staging slot; between chunks the channel
 checks whether the receiver already answered (it gave up early), and stops. Every wait is a
@@ -21,15 +21,15 @@ import time
 
 import zmq
 
-from transfer.codec import decode, encode
+from transfer.bulk_sender import FALLBACKS, OPEN_SLACK_S, BulkLink
+from transfer.bulk_wire import parse_address
 from transfer.errors import TransferError, TransferTimeout, TransportClosed, Unauthenticated
-from transfer.messages import Nack, PoolReply
 from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
-from transfer.stream_sender import FALLBACKS, OPEN_SLACK_S, DataStream
-from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
+from transfer.wire_codec import decode, encode
+from transfer.wire_messages import Nack, PoolReply
 from transfer.zmq_handshake import HandshakeWatch, client_keys
 
 # payload messages up to this size are copied into ZeroMQ's own buffer when sent (pyzmq's default:
@@ -63,7 +63,7 @@ class ZmqChannel:
         self.advert, self.pull = advert, False  # pull: the receiver reads our pool (it accepted the offer)
         self.offered = advert is None  # the pool was offered since the last handshake
         self.sock = None  # what carries the messages: a DEALER socket here (`_open`)
-        self.stream: DataStream | None = None  # the raw data stream, when the receiver offered one
+        self.bulk: BulkLink | None = None  # the bulk link, when the receiver offered one
         self.scheme, self.where = self._where()
         self.connected = False  # a handshake answered on this socket (a reset forgets it)
         self.watch: HandshakeWatch | None = None  # the socket's ZeroMQ handshake failures (`_open`)
@@ -101,19 +101,19 @@ class ZmqChannel:
         self.sock.close(0)
 
     def reset(self) -> None:
-        """A fresh socket (the receiver forgets this connection's handshake) and no data stream."""
+        """A fresh socket (the receiver forgets this connection's handshake) and no bulk link."""
         self.connected = False
         self._close_socket()
-        self.close_stream()
+        self.close_bulk()
         self._open()
 
-    def close_stream(self) -> None:
-        """Close the data stream's socket; the next transfer opens a fresh one (same token)."""
-        if self.stream is not None:
-            self.stream.close()
+    def close_bulk(self) -> None:
+        """Close the bulk link's socket; the next transfer opens a fresh one (same token)."""
+        if self.bulk is not None:
+            self.bulk.close()
 
     def close(self) -> None:
-        self.close_stream()
+        self.close_bulk()
         self._close_socket()
         if self.ctx is not None:
             self.ctx.term()
@@ -167,14 +167,14 @@ class ZmqChannel:
         return self.wait((answer,), deadline, f"{kind} reply")
 
     def accepted(self, reply) -> None:
-        """The receiver's hello reply: a data stream when it offered one."""
+        """The receiver's hello reply: a bulk link when it offered one."""
         self.connected = True
-        self.close_stream()
-        self.stream = None
+        self.close_bulk()
+        self.bulk = None
         if reply.data_token and (reply.data_port or reply.data_path) and self.hello_fields()["stream"]:
             at = ("tcp", self.where, reply.data_port) if self.scheme == "tcp" else ("ipc", reply.data_path)
-            self.stream = DataStream(at, reply.data_token, self.config.connect_timeout_s,
-                                     self.config.stream_open_s + OPEN_SLACK_S)
+            self.bulk = BulkLink(at, reply.data_token, self.config.connect_timeout_s,
+                                 self.config.stream_open_s + OPEN_SLACK_S)
         self.pull = False
         self.offered = self.advert is None  # the pool is offered at the first whole transfer
 
@@ -234,9 +234,9 @@ class _Pulled:
 
 class _Transfer:
     """One transfer. Whole: "M" with "D" chunks and an "E" on the control socket, or "S" with the
-    payload on the data stream (above `inline_bytes`). Streamed (its final state follows): "O", the
-    chunks on the data stream as they come, the stream's end, then "F" with the state; without a
-    data stream, "W", then each batch's "D" chunks, then "F"."""
+    payload on the bulk link (above `inline_bytes`). Streamed (its final state follows): "O", the
+    chunks on the bulk link as they come, the link's end, then "F" with the state; without a
+    bulk link, "W", then each batch's "D" chunks, then "F"."""
 
     def __init__(self, ch: ZmqChannel, token: int, manifest, bodies: list[bytes], streamed: bool,
                  deadline: float):
@@ -245,22 +245,22 @@ class _Transfer:
         self.ack_header = TOKEN.pack(b"A", token)
         self.streamed = streamed
         big = manifest.payload_bytes > ch.config.inline_bytes
-        self.on_stream = ch.stream is not None and (streamed or big) and self._stream_opens()
-        kind = (b"O" if self.on_stream else b"W") if streamed else b"S" if self.on_stream else b"M"
+        self.on_bulk = ch.bulk is not None and (streamed or big) and self._bulk_opens()
+        kind = (b"O" if self.on_bulk else b"W") if streamed else b"S" if self.on_bulk else b"M"
         try:
             for body in bodies:
                 ch.sock.send_multipart([TOKEN.pack(kind, token), body])
         except TransferError:
             ch.reset()
             raise
-        self.live = ch.stream.begin(token, manifest.payload_bytes) if self.on_stream else True
+        self.live = ch.bulk.begin(token, manifest.payload_bytes) if self.on_bulk else True
 
-    def _stream_opens(self) -> bool:
-        """Open the data stream if it is not open; when the receiver will not take it (its slots
+    def _bulk_opens(self) -> bool:
+        """Open the bulk link if it is not open; when the receiver will not take it (its slots
         are full, it is flooded: issue 49) the transfer goes on the control socket instead,
         counted (`data_stream_fallbacks`) and logged at a bounded rate."""
         try:
-            self.ch.stream.open()
+            self.ch.bulk.open()
             return True
         except TransportClosed as e:
             self.ch.metrics.add("data_stream_fallbacks")
@@ -276,7 +276,7 @@ class _Transfer:
     def send(self, items) -> bool:
         """Payload pieces ((frame, chunk, slot, xxh3), view); False once the transfer stopped."""
         if self.live:
-            self.live = (self.ch.stream.send_chunks(items, self.answered) if self.on_stream
+            self.live = (self.ch.bulk.send_chunks(items, self.answered) if self.on_bulk
                          else self._send_control(items))
             if self.streamed:
                 self.ch.flush()  # this batch goes now, while the prompt's next chunk computes
@@ -295,10 +295,10 @@ class _Transfer:
 
     def end(self, final_body: bytes | None) -> None:
         ch = self.ch
-        if not self.on_stream:
+        if not self.on_bulk:
             kind = b"F" if self.streamed else b"E"
             ch.sock.send_multipart([TOKEN.pack(kind, self.token), final_body or b""])
-        elif ch.stream.end() and final_body is not None:
+        elif ch.bulk.end() and final_body is not None:
             ch.sock.send_multipart([TOKEN.pack(b"F", self.token), final_body])
 
     def verdict(self, deadline: float) -> bytes:
@@ -307,10 +307,10 @@ class _Transfer:
         return self.ch.wait((self.ack_header,), deadline, "ack")
 
     def cancel(self) -> None:
-        """The transfer failed on this side: the receiver aborts it (closing the data stream does
-        that for a streamed import; the next transfer opens a fresh stream). Never raises."""
-        if self.on_stream:
-            self.ch.close_stream()
+        """The transfer failed on this side: the receiver aborts it (closing the bulk link does
+        that for a streamed import; the next transfer opens a fresh link). Never raises."""
+        if self.on_bulk:
+            self.ch.close_bulk()
         elif self.streamed and self.ch.sock is self.sock:  # after a reset the receiver forgot it anyway
             with contextlib.suppress(Exception):
                 self.ch.sock.send_multipart([TOKEN.pack(b"C", self.token), b""])

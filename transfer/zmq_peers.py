@@ -39,7 +39,7 @@ class Peer:
         self._ident, self._active, self._session = ident, active, None
         self.plan = None  # transfer.reblock.CompatPlan once a handshake succeeded
         self.name = ""  # the sender's name from its handshake
-        self.landing = None  # the session's payload landing on the data stream (stream_receiver)
+        self.landing = None  # the session's payload landing on the bulk link (bulk_receiver)
         self.final = None  # a streamed migration's closing state (None: not yet / not one)
         self.awaits_final = False        # streamed migration: commit only after `final` and the payload
         self.landed = False              # its payload finished landing while `final` was still missing

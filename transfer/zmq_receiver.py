@@ -1,6 +1,6 @@
 """ZeroMQ receiver (decode side): the protocol of `transfer.receiver.MessageReceiver` served on a
-ROUTER socket (wire format: `transfer.wire`) and the raw data stream beside it. Payloads land
-in the reserved blocks from the data stream's reader threads (`stream_receiver`) or, for small
+ROUTER socket (wire format: `transfer.wire`) and the bulk link beside it. Payloads land
+in the reserved blocks from the bulk link's reader threads (`bulk_receiver`) or, for small
 ones and data_plane "zmq", from this socket. A failed transfer is aborted (reservation
 released), nacked, counted, and its error raised from `poll`. A peer without a completed
 handshake gets nothing but its hello read, and its connection is closed after `preauth_s`
@@ -21,11 +21,11 @@ import time
 import zmq
 
 from protocol.curve import kv_keys, serve_curve
+from transfer.bulk_receiver import BulkListener
+from transfer.bulk_wire import parse_address
 from transfer.importer import ImportResult
 from transfer.receiver import MessageReceiver
 from transfer.refusals import Refusals
-from transfer.stream_receiver import StreamListener
-from transfer.stream_wire import parse_address
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
 from transfer.wire import bind_address
@@ -62,10 +62,10 @@ class ZmqReceiver(MessageReceiver):
         self.poller.register(s, zmq.POLLIN)
         self.wakeup = Wakeup()
         self.poller.register(self.wakeup.fd, zmq.POLLIN)
-        self.streams: StreamListener | None = None
+        self.streams: BulkListener | None = None
         if config.data_plane == "stream":
             scheme, where = parse_address(self.address)
-            self.streams = StreamListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics,
+            self.streams = BulkListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics,
                                           self.refusals)
             if scheme == "ipc":
                 self.streams.listen_unix(where + ".data")
@@ -85,7 +85,7 @@ class ZmqReceiver(MessageReceiver):
         `wake()` is called (None)."""
         deadline = time.monotonic() + timeout
         while True:
-            result = self._landed()
+            result = self._commit_landed()
             if result is not None:
                 return result
             self._expire()

@@ -1,13 +1,13 @@
 """Transfer threads of a prefill worker: migrations run here, never on the engine loop.
 
-The loop thread hands a prefilled request to `ship` and keeps stepping; the request's tables stay
+The loop thread hands a prefilled request to `start` and keeps stepping; the request's tables stay
 allocated (the handler owns them) until the result comes back, so the thread reads stable pool
 memory without taking references of its own (exports are built with `lease=False`: no allocator
 call happens off the loop thread). There is one thread per decode worker, each with its own
-sender (`transfer.senders.SenderPool`), so a dead or slow decode worker delays only the
+sender (`transfer.sender_sessions.SenderSessions`), so a dead or slow decode worker delays only the
 migrations queued for it; after one times out, the jobs already queued for that worker fail at
 once instead of each waiting out its own timeout. Each finished job is handed back as a
-`Shipped` through `post` (the worker loop's command queue), where the handler frees the blocks,
+`MigrationResult` through `post` (the worker loop's command queue), where the handler frees the blocks,
 reports `Migrated`, or holds the request for a resend. `connect` runs a handshake on the target's
 thread and waits for it. Tests pause streamed migrations mid-flight with `hold_streams` (each
 stops after its first blocks went out, until `release_streams`), so a worker can be killed while
@@ -31,7 +31,7 @@ HOLD_MAX_S = 60.0  # the longest a held stream waits for `release_streams`
 
 
 @dataclass
-class ShipJob:
+class MigrationJob:
     """Migrate these sequences of request `rid` to `decode_worker` under `epoch`."""
 
     rid: str
@@ -47,17 +47,17 @@ class ShipJob:
 
 
 @dataclass
-class Shipped:
-    """A finished ShipJob: `error` is None when every sequence was acknowledged."""
+class MigrationResult:
+    """A finished MigrationJob: `error` is None when every sequence was acknowledged."""
 
-    job: ShipJob
+    job: MigrationJob
     error: Exception | None
     milliseconds: float
     totals: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)
 
 
-class Shipper:
+class MigrationThreads:
     def __init__(self, senders, manager, post, gap_s: float = 30.0):
         self.senders, self.manager, self.post = senders, manager, post
         self.gap_s = gap_s  # longest wait for a streamed migration's next blocks
@@ -72,13 +72,13 @@ class Shipper:
             q = self._queues.get(name)
             if q is None:
                 q = self._queues[name] = queue.SimpleQueue()
-                t = threading.Thread(target=self._run, args=(name, q), name=f"ship-{name}", daemon=True)
+                t = threading.Thread(target=self._run, args=(name, q), name=f"migrate-{name}", daemon=True)
                 t.start()
                 self._threads.append(t)
             return q
 
     # ---- the loop thread ---------------------------------------------------------------------
-    def ship(self, job: ShipJob) -> None:
+    def start(self, job: MigrationJob) -> None:
         self._queue(job.decode_worker).put(job)
 
     def connect(self, name: str, address: str, timeout: float) -> str | None:
@@ -131,7 +131,7 @@ class Shipper:
                 done = self._migrate(item)
             except Exception as e:  # never lose a job: the handler must get its blocks back
                 log.exception("transfer thread %s failed", name)
-                done = Shipped(item, RuntimeError(f"transfer thread failed: {type(e).__name__}"), 0.0)
+                done = MigrationResult(item, RuntimeError(f"transfer thread failed: {type(e).__name__}"), 0.0)
             self.post(done)
             if isinstance(done.error, TransferTimeout):
                 self._fail_queued(name, q)
@@ -150,9 +150,9 @@ class Shipper:
             if isinstance(item, tuple):
                 item[0].set_result(f"TransferTimeout: {why}")
             else:
-                self.post(Shipped(item, TransferTimeout(why), 0.0))
+                self.post(MigrationResult(item, TransferTimeout(why), 0.0))
 
-    def _stream(self, job: ShipJob) -> Shipped:
+    def _stream(self, job: MigrationJob) -> MigrationResult:
         """A streamed migration: milliseconds is the part after the prefill finished (exposed)."""
         def items():
             for n in itertools.count():
@@ -172,11 +172,11 @@ class Shipper:
                                           job.sampling, items())
         except (TransferError, OSError, RuntimeError, ValueError) as e:
             self.senders.forget_if_broken(job.decode_worker, e)
-            return Shipped(job, e, 0.0)
+            return MigrationResult(job, e, 0.0)
         totals = {"payload_bytes": ack.nbytes, "blocks": ack.new_blocks, "reused_blocks": ack.reused_blocks,
                   "sequences": 1}
         phases = dict(sender.last_phases)
-        return Shipped(job, None, phases.get("exposed_ms", 0.0), totals, phases)
+        return MigrationResult(job, None, phases.get("exposed_ms", 0.0), totals, phases)
 
     def _hold(self, rid: str) -> None:
         """Wait at the test gate, if one is up (see hold_streams)."""
@@ -191,7 +191,7 @@ class Shipper:
             with self._lock:
                 self.held_streams.discard(rid)
 
-    def _migrate(self, job: ShipJob) -> Shipped:
+    def _migrate(self, job: MigrationJob) -> MigrationResult:
         if job.feed is not None:
             return self._stream(job)
         started = time.perf_counter()
@@ -209,5 +209,5 @@ class Shipper:
                 totals["sequences"] += 1
         except (TransferError, OSError, RuntimeError, ValueError) as e:
             self.senders.forget_if_broken(job.decode_worker, e)
-            return Shipped(job, e, (time.perf_counter() - started) * 1e3)
-        return Shipped(job, None, (time.perf_counter() - started) * 1e3, totals, phases)
+            return MigrationResult(job, e, (time.perf_counter() - started) * 1e3)
+        return MigrationResult(job, None, (time.perf_counter() - started) * 1e3, totals, phases)

@@ -2,7 +2,7 @@
 
 Every message is a frozen dataclass with `to_wire()` (a plain msgpack-able dict carrying the
 protocol version `v` and a `kind`) and `from_wire(wire, limits)` (strict schema: known fields
-only, exact types, explicit bounds, internal consistency); `transfer.codec` turns them into
+only, exact types, explicit bounds, internal consistency); `transfer.wire_codec` turns them into
 bytes. Connection: `Hello` -> `HelloReply` (layout fingerprints compared once per connection).
 Per transfer: optional `Query` -> `Held` (dedupe: which prefix blocks the receiver holds), then a
 `Manifest` (with its `FrameDesc`s and `DecodeState`, defined in `transfer.manifest` and
@@ -52,7 +52,7 @@ class Hello:
     issued_at: float = 0.0
     nonce: str = ""
     tag: str = ""
-    stream: str = ""  # the data stream this sender wants: "tcp", "ipc", or "" (payload in ZeroMQ frames)
+    stream: str = ""  # the bulk link this sender wants: "tcp", "ipc", or "" (payload in ZeroMQ frames)
     pool_path: str = ""  # Ray transport: the sender's /dev/shm pool file, for a same-node receiver
     to: str = ""  # the receiver this hello is meant for (its peer_name): signed, so it binds the hello
 
@@ -71,7 +71,7 @@ class Hello:
                             "pool_path", "to"}, what)
         stream = get_str(wire, "stream", 8, what, "")
         if stream not in ("", "tcp", "ipc"):
-            raise MalformedMessage(f"hello asks for an unknown data stream {stream[:8]!r}")
+            raise MalformedMessage(f"hello asks for an unknown bulk link {stream[:8]!r}")
         return cls(validate_fingerprint(get(wire, "fingerprint", what), limits),
                    get_str(wire, "peer", limits.max_id_len, what),
                    get_float(wire, "issued_at", 0.0, 1e12, what, 0.0),
@@ -87,7 +87,7 @@ class HelloReply:
 
     fingerprint: dict
     peer: str = ""
-    data_port: int = 0    # the receiver's data stream, when the hello asked for one: a TCP port on the
+    data_port: int = 0    # the receiver's bulk link, when the hello asked for one: a TCP port on the
     data_path: str = ""   # host the sender connected to, or a Unix socket path (Ray: the sender's
                           # pool file, when this receiver mapped it: payloads are read from there);
     data_token: str = ""  # and the token (hex) that opens it, issued to this connection only

@@ -1,6 +1,6 @@
-"""The receiving end of the raw data stream (`stream_wire`): a listening TCP socket (and a Unix
+"""The receiving end of the bulk link (`bulk_wire`): a listening TCP socket (and a Unix
 socket when the receiver also serves ipc://), one accept thread, and one reader thread per open
-stream. The owner's control thread (`ZmqReceiver`) keeps every reservation, commit and abort: on
+link. The owner's control thread (`ZmqReceiver`) keeps every reservation, commit and abort: on
 a signed hello it `issue`s a token for that connection, on an admitted manifest it `expect`s the
 transfer with its `ImportSession`, and it collects finished landings from `finished` (woken
 through `wake_fd`). A reader thread only lands bytes into the session's reserved blocks with
@@ -8,7 +8,7 @@ through `wake_fd`). A reader thread only lands bytes into the session's reserved
 the decode loop keeps stepping. `cancel` stops a landing's reader (its socket is shut down) and
 waits for it before the owner frees the blocks. Every wait is bounded by the transport config.
 A connection gets its reader thread only once its opening message carried a live token: until
-then it waits in the accept thread's selector under its own cap and total deadline (`stream_open`).
+then it waits in the accept thread's selector under its own cap and total deadline (`bulk_open`).
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import socket
 import threading
 import time
 
+from transfer.bulk_open import BUSY, OPENED, Opening, accept, expired, forget, turn_away
+from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_hashed
 from transfer.checksum import hasher
 from transfer.errors import FrameCountError, FrameSizeError, TransferError, TransferTimeout, TransportClosed
 from transfer.metrics import TransferMetrics
-from transfer.stream_open import BUSY, OPENED, Opening, accept, expired, forget, turn_away
-from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_hashed
 from transfer.wakeup import Wakeup
 
 # TCP payload is received (and hashed) this many bytes at a time: smaller reads stay in cache for
 # the hash, and ran faster than whole 2 MiB chunks here; a Unix socket reads whole buffers, since
 # partial reads of its large messages were several times slower
 TCP_WINDOW = 256 << 10
-MAX_STREAMS = 256  # opened streams (token checked) at once; more are refused
+MAX_LINKS = 256  # opened links (token checked) at once; more are refused
 LISTEN_BACKLOG = 1024  # connections the kernel queues for accept (capped by net.core.somaxconn): a
 # connection flood that fills a short queue makes a sender's connect wait for a SYN retransmit
 
@@ -48,13 +48,13 @@ class Landing:
         self.sock: socket.socket | None = None
 
 
-class StreamListener:
+class BulkListener:
     def __init__(self, host: str, config, metrics: TransferMetrics, refusals):
         self.config, self.metrics, self.refusals = config, metrics, refusals
         self.finished: queue.Queue[Landing] = queue.Queue()
         self.wake = Wakeup()  # set when a landing finished
         self._lock = threading.Condition()
-        self._tokens: dict[bytes, bytes] = {}               # stream token -> control connection
+        self._tokens: dict[bytes, bytes] = {}               # link token -> control connection
         self._expected: dict[tuple[bytes, int], Landing] = {}
         self._refused: dict[tuple[bytes, int], None] = {}    # transfers refused at their manifest
         self._open: set[socket.socket] = set()
@@ -63,7 +63,7 @@ class StreamListener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.port = self._listen(socket.socket(family, socket.SOCK_STREAM), (host, 0)).getsockname()[1]
         self.path = ""
-        self._thread = threading.Thread(target=self._accept_loop, name="kv-stream-accept", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-bulk-accept", daemon=True)
         self._thread.start()
 
     def _listen(self, s: socket.socket, where) -> socket.socket:
@@ -76,7 +76,7 @@ class StreamListener:
         return s
 
     def listen_unix(self, path: str) -> None:
-        """Also accept streams on a Unix socket (for senders that reach us over ipc://)."""
+        """Also accept links on a Unix socket (for senders that reach us over ipc://)."""
         with contextlib.suppress(OSError):
             os.unlink(path)
         self._listen(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), path)
@@ -84,7 +84,7 @@ class StreamListener:
 
     # ---- the control thread -------------------------------------------------------------------
     def issue(self, key: bytes) -> str:
-        """A fresh stream token for control connection `key` (its previous one stops working)."""
+        """A fresh link token for control connection `key` (its previous one stops working)."""
         token = secrets.token_bytes(16)
         with self._lock:
             for t in [t for t, k in self._tokens.items() if k == key]:
@@ -102,7 +102,7 @@ class StreamListener:
         return landing
 
     def refuse(self, key: bytes, token: int) -> None:
-        """The manifest of this transfer was refused: its stream closes without waiting."""
+        """The manifest of this transfer was refused: its link closes without waiting."""
         with self._lock:
             self._refused[(key, token)] = None
             if len(self._refused) > 1024:
@@ -121,7 +121,7 @@ class StreamListener:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         if not landing.done.wait(self.config.idle_timeout_s + 5):
-            raise RuntimeError("a stream reader did not stop; its blocks cannot be freed safely")
+            raise RuntimeError("a link reader did not stop; its blocks cannot be freed safely")
 
     def close(self) -> None:
         with self._lock:
@@ -180,20 +180,20 @@ class StreamListener:
             self._drop(op.conn, "closed before its opening message")
 
     def _drop(self, conn: socket.socket, why: str) -> None:
-        self.refusals.refuse("stream_open", why)
+        self.refusals.refuse("stream_open", why)  # the refusal reason (a metric label) keeps its name
         turn_away(conn)
 
     def _opened(self, conn: socket.socket, hello: bytes) -> None:
-        """The opening message is in: a live token gets the stream a reader thread and a slot."""
+        """The opening message is in: a live token gets the link a reader thread and a slot."""
         magic, token = OPEN.unpack(hello)
         with self._lock:
             key = self._tokens.get(token) if magic == OPEN_MAGIC else None
-            full = key is not None and (len(self._open) >= MAX_STREAMS or self._stop)
+            full = key is not None and (len(self._open) >= MAX_LINKS or self._stop)
             if key is not None and not full:
                 self._open.add(conn)
         if key is None:
             self.metrics.add("stream_token_refused")
-            self.refusals.refuse("stream_token", "a data stream opened with an unknown token")
+            self.refusals.refuse("stream_token", "a bulk link opened with an unknown token")
             return turn_away(conn)
         if full:
             self.metrics.add("streams_refused")
@@ -207,7 +207,7 @@ class StreamListener:
             with self._lock:
                 self._open.discard(conn)
             return turn_away(conn)
-        threading.Thread(target=self._serve, args=(conn, key), name="kv-stream-read", daemon=True).start()
+        threading.Thread(target=self._serve, args=(conn, key), name="kv-bulk-read", daemon=True).start()
 
     def _serve(self, conn: socket.socket, key: bytes) -> None:
         try:
@@ -222,7 +222,7 @@ class StreamListener:
             conn.close()
 
     def _read_transfer(self, conn: socket.socket, key: bytes) -> bool:
-        """Land one transfer; False when the stream must close."""
+        """Land one transfer; False when the link must close."""
         header = recv_exact(conn, XFER.size)
         if header is None:
             return False
@@ -237,7 +237,7 @@ class StreamListener:
         ok = False
         try:
             if nbytes != landing.session.manifest.payload_bytes:
-                raise FrameSizeError(f"stream of {nbytes} bytes for an offer of "
+                raise FrameSizeError(f"link of {nbytes} bytes for an offer of "
                                      f"{landing.session.manifest.payload_bytes}")
             conn.settimeout(self.config.idle_timeout_s)
             self._land(conn, landing)
@@ -245,9 +245,9 @@ class StreamListener:
         except TransferError as e:
             landing.error = e
         except TimeoutError:
-            landing.error = TransferTimeout(f"stream silent for {self.config.idle_timeout_s}s mid-transfer")
+            landing.error = TransferTimeout(f"link silent for {self.config.idle_timeout_s}s mid-transfer")
         except OSError as e:
-            landing.error = TransportClosed(f"stream broke mid-transfer: {type(e).__name__}")
+            landing.error = TransportClosed(f"link broke mid-transfer: {type(e).__name__}")
         finally:
             with self._lock:
                 landing.sock = None
@@ -280,7 +280,7 @@ class StreamListener:
             t0 = time.perf_counter()
             head = recv_exact(conn, CHUNK.size)
             if head is None:
-                raise TransportClosed("stream ended mid-transfer")
+                raise TransportClosed("link ended mid-transfer")
             f, c, cs = CHUNK.unpack(head)
             nxt = s.next_chunk()
             if f == END or nxt is None:
@@ -291,7 +291,7 @@ class StreamListener:
             bufs = s.chunk_buffers(f, c)  # FrameCountError unless (f, c) comes next
             h = hasher()
             if not recv_into_hashed(conn, bufs, h, window):  # hashed as it lands
-                raise TransportClosed("stream ended mid-transfer")
+                raise TransportClosed("link ended mid-transfer")
             t1 = time.perf_counter()
             s.chunk_done(f, c, nxt[2], bufs, cs, landed_checksum=h.intdigest())
             land, verify = land + t1 - t0, verify + time.perf_counter() - t1

@@ -1,5 +1,5 @@
 """What the prefill role tracks per request between its prefill and the release of its blocks:
-where its KV goes (`Target`), the migration running on a transfer thread (`Flight`), and the one
+where its KV goes (`Target`), the migration running on a transfer thread (`InFlightMigration`), and the one
 object both the handler and the streamed migrations read and write (`Migrations`). Loop thread
 only.
 """
@@ -22,7 +22,7 @@ class Target:
 
 
 @dataclass
-class Flight:
+class InFlightMigration:
     """A request whose migration runs on a transfer thread; its blocks are freed when it returns.
     A streamed one starts while the request is still prefilling (request None until finalized)."""
 
@@ -45,4 +45,5 @@ class Migrations:
     it is submitted (or resent) and `inflight` when its migration starts."""
 
     targets: dict[str, Target] = field(default_factory=dict)   # request id -> migration target
-    inflight: dict[str, Flight] = field(default_factory=dict)  # request id -> migration on a transfer thread
+    # request id -> migration on a transfer thread
+    inflight: dict[str, InFlightMigration] = field(default_factory=dict)

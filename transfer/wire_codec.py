@@ -20,8 +20,8 @@ from transfer.errors import (
     TransferError,
     error_from_code,
 )
-from transfer.messages import MESSAGE_KINDS, PROTOCOL_VERSION, Nack
 from transfer.schema import Limits
+from transfer.wire_messages import MESSAGE_KINDS, PROTOCOL_VERSION, Nack
 
 DEFAULT_LIMITS = Limits()
 

@@ -1,8 +1,8 @@
-"""Wire format of the raw data stream that carries KV payload bytes beside the ZeroMQ control
-channel (`zmq_channel`, `zmq_receiver`, `stream_receiver`).
+"""Wire format of the bulk link that carries KV payload bytes beside the ZeroMQ control
+channel (`zmq_channel`, `zmq_receiver`, `bulk_receiver`).
 
-A sender that asked for a stream in its (signed) `Hello` gets a data port or Unix socket path and
-a 16-byte token in the `HelloReply`. It opens one stream socket and sends OPEN (magic + token);
+A sender that asked for a bulk link in its (signed) `Hello` gets a data port or Unix socket path and
+a 16-byte token in the `HelloReply`. It opens one link socket and sends OPEN (magic + token);
 the receiver maps the token back to that control connection or closes the socket. Then, per
 transfer, after the manifest went over ZeroMQ: XFER (magic, the transfer's token from the
 manifest header, payload byte count), then each of the manifest's chunks in wire order as CHUNK
@@ -11,7 +11,7 @@ followed by its bytes, and a last CHUNK (END, 0, 0), so a lost, repeated or reor
 told apart from a corrupted one. The sender hashes each chunk just before sending it (no pass
 over the payload before the first byte leaves); the receiver lands each chunk with `recv_into`
 straight into its reserved blocks and hashes it while it is still in cache. Anything unexpected
-(a wrong token, a count other than the offer's, a transfer nobody expects) closes the stream;
+(a wrong token, a count other than the offer's, a transfer nobody expects) closes the link;
 the control channel carries the verdict.
 """
 

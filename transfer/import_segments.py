@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from kvcache.storage import KVStorage
-from transfer.messages import FrameDesc
 from transfer.reblock import reblock_copy
+from transfer.wire_messages import FrameDesc
 
 
 def pool_segments(frame: FrameDesc, chunk: int, chunk_bytes: int, block_bytes: int,

@@ -1,10 +1,10 @@
-"""The sending end of the raw data stream (`stream_wire`): one socket from a prefill worker's
-`ZmqSender` to a receiver's stream listener, opened with the token from the signed handshake
+"""The sending end of the bulk link (`bulk_wire`): one socket from a prefill worker's
+`ZmqSender` to a receiver's bulk listener, opened with the token from the signed handshake
 and confirmed by the receiver. `send` writes one transfer (header, then the payload chunks
 straight from pool memory or a staging slot, coalesced into `sendmsg` calls), checking between
 chunks whether the receiver already answered on the control channel; a streamed migration uses
 `begin`, `send_chunks` (as blocks complete) and `end` instead. Any socket error closes
-the stream; the next transfer opens a fresh one with the same token. A stream the receiver will
+the link; the next transfer opens a fresh one with the same token. A link the receiver will
 not open (full, flooded) sends that transfer over the control socket instead (`zmq_channel`),
 and `FALLBACKS` says so at a bounded rate.
 """
@@ -17,11 +17,11 @@ import socket
 import threading
 import time
 
+from transfer.bulk_open import BUSY, OPENED
+from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, send_views
 from transfer.errors import TransportClosed
-from transfer.stream_open import BUSY, OPENED
-from transfer.stream_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, send_views
 
-log = logging.getLogger("transfer.stream")
+log = logging.getLogger("transfer.bulk")
 
 
 # how long an opening may wait beyond the receiver's own deadline for it (`stream_open_s`, counted
@@ -29,8 +29,8 @@ log = logging.getLogger("transfer.stream")
 OPEN_SLACK_S = 2.0
 
 
-class DataStream:
-    """Where the receiver's stream listens (("tcp", host, port) or ("ipc", path)) and its token.
+class BulkLink:
+    """Where the receiver's bulk link listens (("tcp", host, port) or ("ipc", path)) and its token.
     timeout_s bounds each write; open_s the whole opening (connect, opening message, answer)."""
 
     def __init__(self, where: tuple, token_hex: str, timeout_s: float, open_s: float):
@@ -39,7 +39,7 @@ class DataStream:
         self.sock: socket.socket | None = None
 
     def open(self) -> None:
-        """Open the stream; TransportClosed (naming why) when the receiver does not confirm it."""
+        """Open the link; TransportClosed (naming why) when the receiver does not confirm it."""
         if self.sock is not None:
             return
         try:
@@ -56,11 +56,11 @@ class DataStream:
             if answer != OPENED:
                 s.close()
                 raise TransportClosed(
-                    "the receiver's data stream is at its connection limit" if answer == BUSY else
-                    "the receiver closed the data stream before confirming it (a token it no longer "
+                    "the receiver's bulk link is at its connection limit" if answer == BUSY else
+                    "the receiver closed the bulk link before confirming it (a token it no longer "
                     "knows, or no opening within its deadline)")
         except OSError as e:
-            raise TransportClosed(f"cannot open the data stream: {type(e).__name__}: {e}") from None
+            raise TransportClosed(f"cannot open the bulk link: {type(e).__name__}: {e}") from None
         self.sock = s
 
     def begin(self, token: int, nbytes: int) -> bool:
@@ -69,7 +69,7 @@ class DataStream:
         return self._io(lambda s: s.sendall(XFER.pack(XFER_MAGIC, token, nbytes)))
 
     def send_chunks(self, items, answered) -> bool:
-        """Some of the transfer's chunks; False when it stopped (answered, or the stream broke)."""
+        """Some of the transfer's chunks; False when it stopped (answered, or the link broke)."""
         for key, view in items:
             head = CHUNK.pack(key[0], key[1], key[3])
             if not self._io(lambda s, head=head, view=view: send_views(s, (head, view))):
@@ -99,7 +99,7 @@ class DataStream:
 
 
 class FallbackLog:
-    """Warnings for transfers that could not use the data stream: at most one per `interval_s`,
+    """Warnings for transfers that could not use the bulk link: at most one per `interval_s`,
     saying how many more there were since the last one (a flood makes many)."""
 
     def __init__(self, interval_s: float = 10.0):

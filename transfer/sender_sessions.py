@@ -16,7 +16,7 @@ from transfer.registry import get as get_transport
 from transfer.transport import TransportConfig
 
 
-class SenderPool:
+class SenderSessions:
     def __init__(self, peer_name: str, transport: str, fingerprint: dict, namespace: str = "",
                  transfer_timeout_s: float = 30.0, secret: str = "", pool=None):
         self.kind = get_transport(transport)  # ValueError for an unregistered name

@@ -1,6 +1,6 @@
-"""The data stream's opening, before its token is checked (`stream_receiver`): unauthenticated
+"""The bulk link's opening, before its token is checked (`bulk_receiver`): unauthenticated
 connections wait in the accept thread's selector, never on a thread of their own, at most
-`MAX_OPENING` at once (apart from the `MAX_STREAMS` slots of opened streams), and each has one
+`MAX_OPENING` at once (apart from the `MAX_LINKS` slots of opened links), and each has one
 total deadline (`TransportConfig.stream_open_s`, about a second) for its whole opening message,
 however slowly its bytes trickle in. A connection is read as soon as it is accepted: a sender
 holding a token writes its whole 24-byte opening right after connecting, so it is usually
@@ -17,7 +17,7 @@ import contextlib
 import socket
 import time
 
-from transfer.stream_wire import OPEN
+from transfer.bulk_wire import OPEN
 
 MAX_OPENING = 64  # connections still sending their opening message
 BUSY, OPENED = b"B", b"K"  # the receiver's one-byte answers to an opening
