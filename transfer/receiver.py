@@ -77,8 +77,11 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
     idle = None     # unauthenticated connections closed after preauth_s (ZeroMQ only)
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
-                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
+                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN,
+                 clock=time.monotonic):
+        """clock: the time transfers expire by (`_expire`; a virtual one in the simulation, `dst`)."""
         config = config or TransportConfig()
+        self.clock = clock
         self.manager, self.config, self.stage, self.admission = manager, config, stage, admission
         self.epochs, self.metrics = epochs if epochs is not None else EpochGuard(), metrics or DEFAULT_METRICS
         self.active: dict[bytes, Peer] = {}  # the peers with a transfer in progress
@@ -137,7 +140,7 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
         raise err
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for ident, p in list(self.active.items()):
             session, cfg = p.session, self.config
             silent, age = now - session.last_activity, now - session.started
@@ -233,7 +236,7 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
                                     stage=self.stage, make_room=getattr(self.admission, "make_room", None),
-                                    local_dedupe_bytes=self.config.inline_bytes)
+                                    local_dedupe_bytes=self.config.inline_bytes, clock=self.clock)
         except TransferError as e:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise
