@@ -21,7 +21,7 @@ LAYERS = [
     {"runtime"},
     {"prefill_worker", "decode_worker"},
     {"coordinator"},
-    {"deploy"},
+    {"deploy", "dst"},  # dst: the deterministic simulation (transfer, kvcache, the coordinator's ledger)
     {"bench", "pdserve_cli"},
 ]
 LAYER = {package: level for level, packages in enumerate(LAYERS) for package in packages}
