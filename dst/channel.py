@@ -20,7 +20,6 @@ copy made when its offsets arrive.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +34,6 @@ from transfer.session import Call
 from transfer.wire import DATA, TOKEN
 
 _REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q"), "pool": (b"U", b"u")}
-_CONNS = itertools.count(1)
 
 
 @dataclass
@@ -159,7 +157,7 @@ class SimChannel:
         self.stray = 0
 
     def _new_conn(self) -> bytes:
-        return f"{self.src}#{next(_CONNS)}".encode()
+        return f"{self.src}#{next(self.net.conn_ids)}".encode()
 
     def channel_of(self) -> SimChannel:
         return self

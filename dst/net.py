@@ -12,6 +12,7 @@ and deliveries addressed to the old one are dropped.
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -59,6 +60,8 @@ class Network:
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
+        self.conn_ids = itertools.count(1)  # connection names, per world (a replay names them alike)
+        self.choose_faults = None  # the explorer's hook: (send ordinal, KV message?) -> faults to apply
         self.fault_rng = random.Random(self.seed ^ 0xFA17)
         self.now = 0.0
         self.pending: list[Event] = []
@@ -84,6 +87,8 @@ class Network:
         for kind, p in self.rates.items():
             if self.fault_rng.random() < p:
                 faults.append(Fault(self.sent, kind, self.fault_rng.randrange(1 << 16)))
+        if self.choose_faults is not None:
+            faults += self.choose_faults(self.sent, bool(conn))
         kinds = {f.kind: f for f in faults if f.kind in MESSAGE_FAULTS}
         if not conn:  # a command or an event: a Ray call, delivered in order, only ever late
             kinds = {k: f for k, f in kinds.items() if k == "delay"}
@@ -160,9 +165,10 @@ class Network:
 
 
 def _corrupt(payload, arg: int):
-    """`payload` (byte parts) with one bit of its last part flipped (other payloads: unchanged)."""
+    """`payload` (byte parts) with one bit of its last part flipped, counting bytes from its end
+    (arg 0: the lowest bit of the last byte); other payloads unchanged."""
     if not (isinstance(payload, list) and payload and len(payload[-1])):
         return payload
     last = bytearray(payload[-1])
-    last[arg % len(last)] ^= 1 << (arg >> 8) % 8
+    last[len(last) - 1 - arg % len(last)] ^= 1 << (arg >> 8) % 8
     return payload[:-1] + [bytes(last)]

@@ -94,6 +94,7 @@ class SimConfig:
     decodes: int = 1
     blocks: int = 24
     report_s: float = 0.05
+    reports: bool = True  # periodic holdings reports (the exhaustive explorer runs without them)
     prefill_s: float = 0.002
     decode_step_s: float = 0.02
     request_timeout_s: float = 3.0
@@ -147,8 +148,9 @@ class Worker:
         self.boot()
 
     def boot(self) -> None:
-        self.reporting, self.quiet_reports = True, 0
-        self.net.timer(self.name, self.net.now, self._report_loop, readonly=True)
+        self.reporting, self.quiet_reports = self.cfg.reports, 0
+        if self.reporting:
+            self.net.timer(self.name, self.net.now, self._report_loop, readonly=True)
 
     def crash(self, wipe: bool) -> None:
         """Restart: memory lost; the pool's bytes kept (a new allocator over them) or wiped."""
@@ -172,7 +174,7 @@ class Worker:
 
     def wake(self) -> None:
         """Something arrived: report again if the loop had stopped."""
-        if not self.reporting:
+        if not self.reporting and self.cfg.reports:
             self.reporting, self.quiet_reports = True, 0
             self.net.timer(self.name, self.net.now + self.cfg.report_s, self._report_loop, readonly=True)
 
@@ -309,7 +311,7 @@ class DecodeWorker(Worker):
         self.reserved: dict[str, tuple[int, str, int]] = {}  # rid -> (epoch, sender, max tokens)
         self.running: dict[str, Running] = {}
         self.receiver = SimReceiver(self.net, self.name, self.manager, self.tcfg, admission=self,
-                                    epochs=EpochGuard(), metrics=self.metrics)
+                                    epochs=EpochGuard(), metrics=self.metrics, stage=self.net.stage)
         self.ticking = False
         super().boot()
 

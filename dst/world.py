@@ -27,14 +27,17 @@ def transport_config() -> TransportConfig:
 
 class World:
     def __init__(self, seed: int, faults: list[Fault] | None = None, *, cfg: SimConfig | None = None,
-                 requests: int | None = None):
+                 requests: int | None = None, pull: bool | None = None, stage: bool | None = None):
         """faults: the schedule to replay (None: drawn from the seed's rates as it runs; either way
         `faults` is the schedule that fired)."""
         self.seed, self.cfg = seed, cfg or SimConfig()
         rng = random.Random(seed ^ 0x5EED)
         rates = draw_rates(rng)
         self.net = Network(seed, sorted(faults or ()), rates if faults is None else {})
-        self.net.pull = rng.random() < 0.5  # prefill workers offer their pool to read from
+        drawn = rng.random() < 0.5
+        self.net.pull = drawn if pull is None else pull  # prefill workers offer their pool to read from
+        drawn = rng.random() < 0.5  # decode workers land payloads through staging (a device pool's way)
+        self.net.stage = drawn if stage is None else stage
         self.net.on_world_fault = self._world_fault
         self.net.nodes[WORLD] = self
         self.incarnation, self.request_ids, self._dirty = 0, [], False

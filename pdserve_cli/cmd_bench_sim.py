@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
                    help="enumerate a small case instead (1 prefill, 1 decode; see --requests, --max-faults)")
     p.add_argument("--max-faults", type=int, default=1, help="exhaustive: faults per run (default 1)")
     p.add_argument("--max-messages", type=int, default=40, help="exhaustive: sends that faults may hit")
+    p.add_argument("--kinds", help="exhaustive: fault kinds, comma separated (default: all but delay)")
+    p.add_argument("--no-stage", action="store_true", help="exhaustive: the decode worker lands in place")
+    p.add_argument("--time-limit", type=float, default=600.0, help="exhaustive: seconds (default 600)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -43,12 +46,15 @@ def run(args) -> int:
     if args.requests is not None:
         world["requests"] = shape["requests"] = args.requests
     if args.exhaustive:
-        from dst.explore import explore
+        from dst.explore import KINDS, explore
 
-        report = explore(requests=args.requests or 1, max_faults=args.max_faults,
-                         max_messages=args.max_messages, mutant_name=args.mutant)
+        kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
+        report = explore(requests=args.requests or 1, max_faults=args.max_faults, kinds=kinds,
+                         max_messages=args.max_messages, mutant_name=args.mutant, stage=not args.no_stage,
+                         time_limit_s=args.time_limit)
         print(f"exhaustive: {report['runs']} runs, {report['states']} distinct states, "
-              f"{report['seconds']:.1f} s, violation: {report['violation'] or 'none'}")
+              f"{report['seconds']:.1f} s, {'complete' if report['complete'] else 'NOT complete'}, "
+              f"violation: {report['violation'] or 'none'}")
         return _write(args, report, 1 if report["violation"] else 0)
     if args.seed is not None:
         faults = parse_schedule(args.faults) if args.faults is not None else None
