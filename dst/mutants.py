@@ -53,24 +53,24 @@ def _reoffer():
 
     from transfer.errors import MalformedMessage, TransferError
     from transfer.pull import land_pulled
-    from transfer.receiver_transfers import PayloadMixin
+    from transfer.receiver_transfers import Payloads
 
-    def _sums(self, ident, peer, token, body):  # as before 81cf81a
-        s = peer.session
+    def sums(self, ident, peer, token, body):  # as before 81cf81a
+        s, rx = peer.session, self.rx
         if s is None or token != peer.token:
-            self.metrics.add("stray_ends")
+            rx.metrics.add("stray_ends")
             return None
         t0 = time.perf_counter()
         try:
             if peer.pulled is None:
                 raise MalformedMessage("chunk checksums before the pool offsets they check")
             offsets, landed = peer.pulled
-            land_pulled(s, peer.source, offsets, self.config.copy_threads, sums=body, landed=landed)
+            land_pulled(s, peer.source, offsets, rx.config.copy_threads, sums=body, landed=landed)
         except TransferError as e:
-            return self._fail(ident, peer, e)
+            return rx._fail(ident, peer, e)
         s.timings["verify_ms"] = (time.perf_counter() - t0) * 1e3
-        return self._end(ident, peer, token)
-    return PayloadMixin, "_sums", _sums
+        return self.end(ident, peer, token)
+    return Payloads, "sums", sums
 
 
 def _skip_checksum():

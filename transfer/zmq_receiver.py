@@ -85,7 +85,7 @@ class ZmqReceiver(MessageReceiver):
         `wake()` is called (None)."""
         deadline = time.monotonic() + timeout
         while True:
-            result = self._landed()
+            result = self.payloads.landed()
             if result is not None:
                 return result
             self._expire()
