@@ -25,6 +25,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from transfer.blocks import prefix_hashes_at
+from transfer.channel import SenderChannel
 from transfer.checksum import checksum
 from transfer.codec import decode_reply, encode, seal
 from transfer.errors import DedupeMiss, HandshakeRequired, MalformedMessage, TransferError, TransportClosed
@@ -68,7 +69,7 @@ class SenderSession:
     """One connection from a prefill worker (layout `fingerprint`) through `channel`. clock: the
     time its deadlines are taken from (seconds; a virtual one in the simulation)."""
 
-    def __init__(self, fingerprint: dict, config: TransportConfig, channel, *,
+    def __init__(self, fingerprint: dict, config: TransportConfig, channel: SenderChannel, *,
                  metrics: TransferMetrics | None = None, faults=None,
                  clock: Callable[[], float] = time.monotonic):
         self.fingerprint, self.config, self.channel = dict(fingerprint), config, channel
