@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from coordinator.ledger import Ledger, Phase
 from coordinator.reconcile import Reconciler
 from coordinator.router import Router, WorkerLoad
-from dst.model import generate
-from dst.workers import (
+from dst.messages import (
     COORDINATOR,
     Abort,
     Imported,
@@ -30,6 +29,7 @@ from dst.workers import (
     Submit,
     Tokens,
 )
+from dst.model import generate
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dst.channel import SimAdvert, SimChannel, SimReceiver, SimSource, Task
+from dst.messages import COORDINATOR, Abort, Imported, Migrated, MigrationFailed, Report, Submit, Tokens
 from dst.model import LAYOUT, kv_matches, make_manager, next_token, write_kv
 from kvcache import BlockAllocator, KVCacheManager
 from transfer.epochs import EpochGuard
@@ -24,62 +25,7 @@ from transfer.messages import DecodeState
 from transfer.metrics import TransferMetrics
 from transfer.session import SenderSession
 
-COORDINATOR = "coord"
 MIN_QUIET_REPORTS = 4  # reports a quiet worker still sends (the reconciler counts MIN_REPORTS of them)
-
-
-# ---- commands (coordinator -> worker) and events (worker -> coordinator) ------------------------------
-@dataclass(frozen=True)
-class Submit:
-    rid: str
-    prompt: tuple
-    max_tokens: int
-    decode: str
-    epoch: int
-
-
-@dataclass(frozen=True)
-class Abort:
-    rid: str
-
-
-@dataclass(frozen=True)
-class Migrated:
-    rid: str
-    epoch: int
-    worker: str
-
-
-@dataclass(frozen=True)
-class MigrationFailed:
-    rid: str
-    epoch: int
-    worker: str
-    why: str
-
-
-@dataclass(frozen=True)
-class Imported:
-    rid: str
-    epoch: int
-    worker: str
-
-
-@dataclass(frozen=True)
-class Tokens:
-    rid: str
-    epoch: int
-    worker: str
-    tokens: tuple
-
-
-@dataclass(frozen=True)
-class Report:
-    worker: str
-    role: str
-    incarnation: int
-    holdings: dict
-    used_blocks: int
 
 
 class Violation(AssertionError):
