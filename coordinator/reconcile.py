@@ -12,11 +12,16 @@ queued command only in its next reports, so neither time nor one report alone is
   more: the request is failed loudly. A request the worker has not listed yet has not vanished:
   its command may still wait in the worker's actor queue (Ray delivers it behind slower calls,
   seconds late on a loaded machine) or in the loop's queue behind a long step, and the
-  coordinator's event timeout bounds a command that never arrives. Nor has a request whose every
-  token has arrived (`generated`): its worker finished it and freed its blocks, and the coordinator
-  waits only for the prefill worker's report of the migration (a busy prefill worker sends it
-  seconds later on a loaded machine; counting it vanished failed a request that was answered
-  right, 2026-12-03);
+  coordinator's event timeout bounds a command that never arrives. Only the attempt that made the
+  request this worker's counts: reports carry no epoch, so once the request moved to a newer epoch
+  on the same worker (a rerun, a resend), a listing may be the older attempt's - still held, or
+  in a report sent before the move that arrives late - and that attempt ending is no vanishing of
+  the new one (the simulation, dst, found a request failed so while its rerun ran fine,
+  2026-12-06); a rerun on the same worker is bounded by the event timeout instead. Nor has
+  a request whose every token has arrived (`generated`): its worker finished it and freed its
+  blocks, and the coordinator waits only for the prefill worker's report of the migration (a busy
+  prefill worker sends it seconds later on a loaded machine; counting it vanished failed a request
+  that was answered right, 2026-12-03);
 - `unowned`: the worker's used blocks exceed what its requests account for (a leak inside the
   worker): counted and logged; only the worker can free them.
 """
@@ -30,6 +35,14 @@ from coordinator.ledger import Ledger, Phase
 
 log = logging.getLogger(__name__)
 MIN_REPORTS = 3
+RESPONSIBLE = {"prefill": (Phase.PREFILLING, Phase.DECODING), "decode": (Phase.DECODING,)}
+
+
+def _first_epoch(entry, worker: str, role: str) -> int | None:
+    """The epoch of the move that first made `worker` responsible for the request (its history)."""
+    phases = RESPONSIBLE.get(role, (Phase.DECODING,))
+    return next((epoch for _, phase, owner, epoch in entry.history
+                 if owner == worker and Phase(phase) in phases), None)
 
 
 class Reconciler:
@@ -57,7 +70,8 @@ class Reconciler:
             if not responsible or entry.request_id in generated:
                 continue
             if entry.request_id in holdings:
-                self._listed[key] = entry.epoch
+                if _first_epoch(entry, worker, role) == entry.epoch:  # else it may list an older attempt
+                    self._listed[key] = entry.epoch
             elif self._listed.get(key) == entry.epoch:
                 vanished.append(entry.request_id)
         for key in [k for k in self._listed if k[0] == worker and k not in live]:

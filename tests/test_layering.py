@@ -22,7 +22,7 @@ LAYERS = [
     {"runtime"},
     {"prefill_worker", "decode_worker", "colocated_worker"},
     {"coordinator"},
-    {"deploy"},
+    {"deploy", "dst"},  # dst: the deterministic simulation (transfer, kvcache, the coordinator's ledger)
     {"measure", "allocsim"},  # product features' measurements and the allocator simulator
     {"planner"},  # `pdserve plan` / `pdserve profile`: measures with measure/
     {"bench", "pdserve_cli"},

@@ -34,8 +34,8 @@ def test_migrate_full_then_deduplicated(gen, kind, inline):
     served = Served(dst, "tcp://127.0.0.1:0" if kind == "tcp" else ipc_address(), inline_bytes=inline)
     cfg = TransportConfig(address=served.rx.address, chunk_bytes=4096, inline_bytes=inline)
     tx = ZmqSender(src.storage.layout.fingerprint(), cfg)
-    queries, real_query = [], tx.query
-    tx.query = lambda *a, **k: queries.append(a) or real_query(*a, **k)
+    queries, real_query = [], tx.query_steps  # (the sans-IO steps `migrate` runs)
+    tx.query_steps = lambda *a, **k: queries.append(a) or real_query(*a, **k)
     try:
         assert tx.connect().dst_block_size == 16
         prefix = fill_random_sequence(src, "a", 100, gen)
@@ -89,14 +89,14 @@ def test_dedupe_miss_is_retried_in_full(gen):
         fill_random_sequence(src, "a", 64, gen)
         tx.migrate(src, "a", "r1", 1)
         served.next()
-        query = tx.query
+        query = tx.query_steps  # (the sans-IO steps `migrate` runs)
 
         def query_then_evict(*args, **kwargs):  # the receiver evicts between answering and importing
-            held = query(*args, **kwargs)
+            held = yield from query(*args, **kwargs)
             dst.allocator.evict_cached()
             return held
 
-        tx.query = query_then_evict
+        tx.query_steps = query_then_evict
         ack = tx.migrate(src, "a", "r2", 1)
         assert ack.reused_blocks == 0 and ack.new_blocks == 4
         assert isinstance(served.next(), E.DedupeMiss) and served.next().request_id == "r2"

@@ -1,13 +1,15 @@
-"""What a KV transport implements, as `typing.Protocol`s (checked structurally; the transports do
-not inherit from them). `transfer.registry` names each transport's factories.
+"""What a KV transport implements, as `typing.Protocol`s (checked structurally; the transports do not
+inherit from them). `transfer.registry` names each transport's factories.
 
-The sending side of the protocol is written once (`transfer.session.SenderSession`); a transport
-gives it a `SenderChannel`, which only moves bytes: one control request and its reply (the hello,
-the dedupe query), and transfers (`ChannelTransfer`: the manifest bodies, then payload pieces,
-then the end, then the receiver's verdict). A receiver endpoint lives inside the decode worker
-and is driven from its loop thread only: every channel's messages, socket or Ray call, are served
-inside its `poll`, which returns each committed import (`zmq_receiver.ZmqReceiver`,
-`ray_transport.RayReceiverEndpoint`).
+The sending side of the protocol is written once (`transfer.session.SenderSession`), as sans-IO
+steps that yield each channel operation (`transfer.session.Call`) for a driver to make: production's
+`drive` makes it on a `SenderChannel` and blocks; the simulation (`dst.channel`) parks the steps
+instead. A transport gives the session a `SenderChannel`, which only moves bytes: one control
+request and its reply (the hello, the dedupe query), and transfers (`ChannelTransfer`: the manifest
+bodies, then payload pieces, then the end, then the receiver's verdict). A receiver endpoint lives
+inside the decode worker and is driven from its loop thread only: every channel's messages, socket
+or Ray call, are served inside its `poll`, which returns each committed import
+(`zmq_receiver.ZmqReceiver`, `ray_transport.RayReceiverEndpoint`).
 """
 
 from __future__ import annotations

@@ -64,8 +64,11 @@ class ImportSession:
 
     def __init__(self, manager: KVCacheManager, manifest: Manifest, plan: CompatPlan | None = None, *,
                  epochs: EpochGuard | None = None, metrics: TransferMetrics | None = None,
-                 stage: bool = False, make_room=None, local_dedupe_bytes: int = 256 << 10):
+                 stage: bool = False, make_room=None, local_dedupe_bytes: int = 256 << 10,
+                 clock=time.monotonic):
+        """clock: the time its idle and age bounds are measured in (a virtual one in `dst`)."""
         t0 = time.perf_counter()
+        self.clock = clock
         self.local_dedupe_bytes = local_dedupe_bytes  # reuse cached blocks of an unqueried payload this small
         self.make_room = make_room  # admission.make_room: asked once for room when the pool is short
         self.manager, self.manifest, self.metrics = manager, manifest, metrics or DEFAULT_METRICS
@@ -81,7 +84,7 @@ class ImportSession:
         self._next = (0, 0)
         self.nbytes = 0
         self.timings = {"prepare_ms": (time.perf_counter() - t0) * 1e3}
-        self.started = self.last_activity = time.monotonic()
+        self.started = self.last_activity = clock()
 
     @contextlib.contextmanager
     def aborting(self):
@@ -200,7 +203,7 @@ class ImportSession:
         if self.sink is not None:
             self.sink.scatter(self._slot, slot_segments(self._segments(frame, chunk)))
         self.nbytes += nbytes
-        self.last_activity = time.monotonic()
+        self.last_activity = self.clock()
         last = chunk + 1 >= manifest.frames[frame].num_chunks(manifest.chunk_bytes)
         self._next = (frame + 1, 0) if last else (frame, chunk + 1)
 

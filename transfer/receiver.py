@@ -1,15 +1,16 @@
 """The receiving half of the KV migration protocol, written once for every channel.
 
 A `MessageReceiver` holds what the protocol needs: the connections (`zmq_peers.PeerTable`: each
-sender's handshake, its transfer in progress, its offered pool), the hello and the dedupe
-query (`receiver_hello`), admission and the import session opened by a manifest, payload chunks,
-a streamed transfer's final state, the commit and its ack, cancel, expiry, abort and supersede
-by a newer epoch (`receiver_transfers`), and the in-flight listing. It reads one message at a time as
-`Parts` (header, body, or a chunk's bytes, in the wire format of `transfer.wire`) and answers
-through `_deliver(connection, header, body)`. A channel's receiver is only how messages arrive
-and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the bulk link's reader
-threads) and `ray_transport.RayReceiverEndpoint` (a Ray actor's calls). Every failure is a typed
-error: nacked, counted once, and the pool left as it was. The owner's thread only.
+sender's handshake, its transfer in progress, its offered pool), the hello and the dedupe query (its
+`Handshake`, `receiver_hello`), admission and the import session opened by a manifest, payload
+chunks, a streamed transfer's final state, the commit and its ack, cancel, expiry, abort and
+supersede by a newer epoch (its `Payloads`, `receiver_transfers`), and the in-flight listing. It
+reads one message at a time as `Parts` (header, body, or a chunk's bytes, in the wire format of
+`transfer.wire`) and answers through `_deliver(connection, header, body)`. A channel's receiver is
+only how messages arrive and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the bulk link's
+reader threads) and `ray_transport.RayReceiverEndpoint` (a Ray actor's calls). Every
+failure is a typed error: nacked, counted once, and the pool left as it was. The owner's thread
+only.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from transfer.errors import (
 from transfer.importer import ImportResult, ImportSession
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
 from transfer.pull import drop_source
-from transfer.receiver_hello import HandshakeMixin
-from transfer.receiver_transfers import PayloadMixin
+from transfer.receiver_hello import Handshake
+from transfer.receiver_transfers import Payloads
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
@@ -70,15 +71,19 @@ class ListParts:
         return n
 
 
-class MessageReceiver(HandshakeMixin, PayloadMixin):
-    """The protocol state of one receiver; subclasses move the messages."""
+class MessageReceiver:
+    """The protocol state of one receiver; subclasses move the messages. Its answers before a
+    transfer are its `handshake`'s, how transfers end its `payloads`' (collaborators made with it)."""
 
-    streams = None  # the raw data stream's listener (ZeroMQ only)
+    streams = None  # the bulk link's listener (ZeroMQ only)
     idle = None     # unauthenticated connections closed after preauth_s (ZeroMQ only)
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
-                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN):
+                 metrics: TransferMetrics | None = None, stage: bool = False, admission=OPEN,
+                 clock=time.monotonic):
+        """clock: the time transfers expire by (`_expire`; a virtual one in the simulation, `dst`)."""
         config = config or TransportConfig()
+        self.clock = clock
         self.manager, self.config, self.stage, self.admission = manager, config, stage, admission
         self.epochs, self.metrics = epochs if epochs is not None else EpochGuard(), metrics or DEFAULT_METRICS
         self.active: dict[bytes, Peer] = {}  # the peers with a transfer in progress
@@ -86,12 +91,17 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
         self.refusals = Refusals(self.metrics, config.peer_name or config.address)
         self.fingerprint = manager.storage.layout.fingerprint()
         self._nonces: dict[str, float] = {}  # handshake nonces seen recently (no replays)
+        self.handshake, self.payloads = Handshake(self), Payloads(self)
 
     # ---- what a channel's receiver provides -------------------------------------------------------
     def _deliver(self, ident: bytes, header: bytes, body: bytes) -> None:
         raise NotImplementedError
 
     # ---- transfer.channel.ReceiverEndpoint --------------------------------------------------------
+    def abort_request(self, request_id: str) -> int:
+        """End the transfers of `request_id` still in flight (`Payloads.abort_request`); how many."""
+        return self.payloads.abort_request(request_id)
+
     def in_flight(self) -> dict[str, list[int]]:
         """Transfer id -> receiver blocks reserved by an import still landing (not yet committed)."""
         return {p.session.manifest.request_id: list(p.session.dst_blocks) for p in self.active.values()}
@@ -137,7 +147,7 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
         raise err
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for ident, p in list(self.active.items()):
             session, cfg = p.session, self.config
             silent, age = now - session.last_activity, now - session.started
@@ -153,7 +163,7 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
             return None
         frame = parts.next()
         if peer.plan is None and peer.session is None:  # NOTE: nothing but a hello is read before one
-            return self._stranger(ident, peer, frame)
+            return self.handshake.stranger(ident, peer, frame)
         if len(frame) > 64:
             parts.drain()
             return self._garbled(ident, peer, MalformedMessage(f"header of {len(frame)} bytes"))
@@ -170,26 +180,27 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
                 parts.drain()
                 self.metrics.add("stray_chunks")
                 return None
-            return self._chunk(ident, peer, f, c, cs)
+            return self.payloads.chunk(ident, peer, f, c, cs)
         body = parts.next().buffer
         if parts.drain():
             return self._garbled(ident, peer, MalformedMessage("message with extra parts"))
         if kind == b"H" and len(header) == 1:
-            return self._hello(ident, peer, body)
+            return self.handshake.hello(ident, peer, body)
         if kind in (b"Q", b"U") and len(header) == 1:
-            return (self._query if kind == b"Q" else self._pool)(ident, peer, body)
+            return (self.handshake.query if kind == b"Q" else self.handshake.pool)(ident, peer, body)
         if kind in b"MSOWEFPKC" and len(header) == TOKEN.size:
             token = TOKEN.unpack(header)[1]
+            payloads = self.payloads
             if kind == b"E":
-                return self._end(ident, peer, token)
+                return payloads.end(ident, peer, token)
             if kind == b"P":
-                return self._pull(ident, peer, token, body)
+                return payloads.pull(ident, peer, token, body)
             if kind == b"K":
-                return self._sums(ident, peer, token, body)
+                return payloads.sums(ident, peer, token, body)
             if kind == b"C":
-                return self._cancel(ident, peer, token)
+                return payloads.cancel(ident, peer, token)
             if kind == b"F":
-                return self._final(ident, peer, token, body)
+                return payloads.final(ident, peer, token, body)
             if kind in (b"M", b"W") or self.streams is None:
                 self._manifest(ident, peer, token, body, streamed=kind in (b"S", b"O"))
                 peer.awaits_final = kind == b"W" and peer.session is not None  # chunks here, then "F"
@@ -227,13 +238,13 @@ class MessageReceiver(HandshakeMixin, PayloadMixin):
             return self._refuse(ident, header, e)
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
             return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
-        self._supersede(m)
+        self.payloads.supersede(m)
         if streamed and self.streams is None:
-            return self._refuse(ident, header, MalformedMessage("no data stream here"))
+            return self._refuse(ident, header, MalformedMessage("no bulk link here"))
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
                                     stage=self.stage, make_room=getattr(self.admission, "make_room", None),
-                                    local_dedupe_bytes=self.config.inline_bytes)
+                                    local_dedupe_bytes=self.config.inline_bytes, clock=self.clock)
         except TransferError as e:
             self._send(ident, header, Nack(m.request_id, m.epoch, e.code, str(e)))
             raise

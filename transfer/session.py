@@ -10,13 +10,22 @@ payload pieces, so every channel suffers them alike. What differs between transp
 how bytes move, and that is the channel's (`transfer.channel.SenderChannel`: ZeroMQ in
 `zmq_channel`, Ray in `ray_channel`). Every error the channel raises is counted here once; a
 receiver's nack comes back as its typed error (`wire_codec.decode_reply`).
+
+Sans-IO: the protocol is written as step generators (`*_steps`) that never touch a channel or a
+clock themselves. Each channel operation is yielded as a `Call` (the channel, or an open transfer,
+and its method) and its result (or its error) is sent back in; the time comes in through `clock`.
+Production runs them with `drive` (each call made on the channel, blocking); the deterministic
+simulation (`dst`) runs the very same generators on a simulated network and a virtual clock.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 
 from transfer.blocks import prefix_hashes_at
+from transfer.channel import SenderChannel
 from transfer.checksum import checksum
 from transfer.errors import DedupeMiss, HandshakeRequired, MalformedMessage, TransferError, TransportClosed
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
@@ -27,22 +36,54 @@ from transfer.wire_codec import decode_reply, encode, seal
 from transfer.wire_messages import Ack, Final, Held, HelloReply, Query
 
 
-class SenderSession:
-    """One connection from a prefill worker (layout `fingerprint`) through `channel`."""
+@dataclass(frozen=True)
+class Call:
+    """One channel operation a step generator asks for: `target.name(*args, **kwargs)`, where
+    target is the session's channel (`transfer.channel.SenderChannel`) or a transfer it opened."""
 
-    def __init__(self, fingerprint: dict, config: TransportConfig, channel, *,
-                 metrics: TransferMetrics | None = None, faults=None):
+    target: object
+    name: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+Steps = Generator[Call, object, object]
+
+
+def drive(steps: Steps):
+    """Production's driver: make each call on its channel (blocking) and send back its result, or
+    throw its error in; returns what the steps return."""
+    result, error = None, None
+    while True:
+        try:
+            call = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            result, error = getattr(call.target, call.name)(*call.args, **call.kwargs), None
+        except BaseException as e:  # noqa: BLE001 - thrown into the steps, which decide
+            result, error = None, e
+
+
+class SenderSession:
+    """One connection from a prefill worker (layout `fingerprint`) through `channel`. clock: the
+    time its deadlines are taken from (seconds; a virtual one in the simulation)."""
+
+    def __init__(self, fingerprint: dict, config: TransportConfig, channel: SenderChannel, *,
+                 metrics: TransferMetrics | None = None, faults=None,
+                 clock: Callable[[], float] = time.monotonic):
         self.fingerprint, self.config, self.channel = dict(fingerprint), config, channel
         self.metrics = metrics or DEFAULT_METRICS
         self.faults = faults  # transfer.faults.Faults (chaos benchmark), or None
+        self.clock = clock
         self.plan: CompatPlan | None = None
         self.last_phases: dict[str, float] = {}  # of the last migration
         self.token = 0  # transfers on this connection so far
 
-    def _channel(self, op, *args, **kwargs):
-        """A channel operation; its TransferError (a timeout, a broken link) counted once."""
+    def _call(self, target, name: str, *args, **kwargs):
+        """Steps: a channel operation; its TransferError (a timeout, a broken link) counted once."""
         try:
-            return op(*args, **kwargs)
+            return (yield Call(target, name, args, kwargs))
         except TransferError as e:
             if not self.channel.connected:  # the channel reset its connection: handshake again
                 self.plan = None
@@ -55,30 +96,45 @@ class SenderSession:
     # ---- before any transfer ----------------------------------------------------------------------
     def connect(self, timeout: float | None = None) -> CompatPlan:
         """Handshake: layouts compared once per connection; FingerprintMismatch if incompatible."""
-        deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
+        return drive(self.connect_steps(timeout))
+
+    def connect_steps(self, timeout: float | None = None) -> Steps:
+        deadline = self.clock() + (timeout or self.config.connect_timeout_s)
         self.plan = None
         hello = make_hello(self.fingerprint, self.config, **self.channel.hello_fields())
-        reply = self._reply(self._channel(self.channel.request, "hello", encode(hello), deadline), HelloReply)
+        data = yield from self._call(self.channel, "request", "hello", encode(hello), deadline)
+        reply = self._reply(data, HelloReply)
         try:
             check_reply(reply, hello, self.config)  # signed for this hello, by the receiver we meant
             plan = check_compatible(self.fingerprint, reply.fingerprint)
         except TransferError as e:
             self.metrics.record_error(e)
             raise
-        self._channel(self.channel.accepted, reply)
+        yield from self._call(self.channel, "accepted", reply)
         self.plan = plan
         return plan
+
+    def _plan_steps(self, timeout: float | None = None) -> Steps:
+        """The connection's plan, handshaking first when there is none."""
+        if self.plan is not None:
+            return self.plan
+        return (yield from self.connect_steps(timeout))
 
     def query(self, request_id: str, token_ids, extra_key: str | None = None,
               timeout: float | None = None) -> list[int]:
         """Receiver logical blocks (its block size) of this prefix that it already holds."""
-        plan = self.plan or self.connect(timeout)
+        return drive(self.query_steps(request_id, token_ids, extra_key, timeout))
+
+    def query_steps(self, request_id: str, token_ids, extra_key: str | None = None,
+                    timeout: float | None = None) -> Steps:
+        plan = yield from self._plan_steps(timeout)
         hashes = prefix_hashes_at(token_ids, plan.dst_block_size, extra_key)
         if not hashes:
             return []
-        deadline = time.monotonic() + (timeout or self.config.connect_timeout_s)
+        deadline = self.clock() + (timeout or self.config.connect_timeout_s)
         body = encode(Query(str(request_id), plan.dst_block_size, tuple(hashes)))
-        held = self._reply(self._channel(self.channel.request, "query", body, deadline), Held).held
+        data = yield from self._call(self.channel, "request", "query", body, deadline)
+        held = self._reply(data, Held).held
         if any(not 0 <= i < len(hashes) for i in held):
             err = MalformedMessage("dedupe reply names blocks outside the query")
             self.metrics.record_error(err)
@@ -87,8 +143,8 @@ class SenderSession:
 
     # ---- transfers --------------------------------------------------------------------------------
     def _transfer(self, manifest, feed, pieces, limit: float, *, final_of=None, frames=None,
-                  on_verdict=None) -> tuple[Ack, float]:
-        """The one transfer loop. feed: lists of payload units, the last given as (units,
+                  on_verdict=None) -> Steps:
+        """Steps: the one transfer loop. feed: lists of payload units, the last given as (units,
         DecodeState); a whole migration is one such item. pieces(units) -> ((frame, chunk, slot,
         xxh3), view) payload pieces. final_of(state): the body of the message that closes a
         streamed transfer (None: whole; the manifest carries the state). frames: the export's
@@ -100,9 +156,9 @@ class SenderSession:
         if fault is not None:
             bodies, frames = self.faults.manifest(fault, bodies[0]), None
         streamed = final_of is not None
-        deadline = time.monotonic() + limit
-        xfer = self._channel(self.channel.open, self.token, manifest, bodies, frames, streamed=streamed,
-                             deadline=float("inf") if streamed else deadline)
+        deadline = self.clock() + limit
+        xfer = yield from self._call(self.channel, "open", self.token, manifest, bodies, frames,
+                                     streamed=streamed, deadline=float("inf") if streamed else deadline)
         ok, final = True, None
         try:
             for item in feed:
@@ -111,7 +167,7 @@ class SenderSession:
                 batch = pieces(units)
                 if fault is not None and units:  # a data fault hits the first batch
                     batch, fault = self.faults.chunks(fault, batch), None
-                if not self._channel(xfer.send, batch):
+                if not (yield from self._call(xfer, "send", batch)):
                     ok = False  # refused early, or the link broke: the verdict follows
                     break
                 if last:
@@ -121,13 +177,15 @@ class SenderSession:
             if ok and final is None:
                 raise TransportClosed("streamed migration cancelled before its final state")
             if ok:
-                self._channel(xfer.end, final_of(final[0]) if streamed else None)
-            data = self._channel(xfer.verdict, time.monotonic() + limit if streamed else deadline)
+                yield from self._call(xfer, "end", final_of(final[0]) if streamed else None)
+            data = yield from self._call(xfer, "verdict", self.clock() + limit if streamed else deadline)
             if on_verdict is not None:
                 on_verdict()
             ack = self._reply(data, Ack)
+        except GeneratorExit:  # the steps were abandoned (their driver stopped): nothing more is sent
+            raise
         except BaseException:  # a nack, a timeout, the feed's own error: the receiver aborts
-            xfer.cancel()
+            yield Call(xfer, "cancel")
             raise
         self.metrics.add("transfers")
         self.metrics.add("bytes_sent", ack.nbytes)
@@ -138,26 +196,34 @@ class SenderSession:
         the receiver reads from our pool (a CPU pool, not re-blocked) gets "inline" checksums:
         they follow its pool offsets, hashed here while the receiver reads (`transfer.pull`),
         instead of delaying the manifest. Others get the config's `checksum_mode`."""
+        return drive(self.export_config_steps(storage, lease=lease))
+
+    def export_config_steps(self, storage, *, lease: bool = True) -> Steps:
         from transfer.export import ExportConfig
 
-        c, plan = self.config, self.plan or self.connect()
-        pulled = storage.device.type == "cpu" and not plan.reblock and self.channel.pulls()
+        c, plan = self.config, (yield from self._plan_steps())
+        pulled = storage.device.type == "cpu" and not plan.reblock and (yield from self._call(self.channel,
+                                                                                             "pulls"))
         return ExportConfig(chunk_bytes=c.chunk_bytes, checksum_mode="inline" if pulled else c.checksum_mode,
                             lease_s=c.lease_s, lease=lease, checksum_threads=c.copy_threads)
 
     def send(self, exported, timeout: float | None = None) -> Ack:
         """Send one export (manifest + payload) and wait for its ack; the export's lease is released
         on the receiver's answer (ack or nack), kept on a timeout (the receiver may have committed)."""
-        self.plan or self.connect()
+        return drive(self.send_steps(exported, timeout))
+
+    def send_steps(self, exported, timeout: float | None = None) -> Steps:
+        yield from self._plan_steps()
         inline = exported.manifest.checksum_mode == "inline"
 
         def pieces(_):
             for f, c, view, slot in exported.chunks():
                 yield (f, c, slot, checksum(view) if inline else 0), view
 
-        return self._transfer(exported.manifest, [(exported, None)], pieces,
-                              timeout or self.config.transfer_timeout_s, frames=exported.frames,
-                              on_verdict=exported.release)[0]
+        ack, _ = yield from self._transfer(exported.manifest, [(exported, None)], pieces,
+                                           timeout or self.config.transfer_timeout_s, frames=exported.frames,
+                                           on_verdict=exported.release)
+        return ack
 
     def migrate(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
                 leases=None, timeout: float | None = None, lease: bool = True) -> Ack:
@@ -168,17 +234,23 @@ class SenderSession:
         and once after HandshakeRequired (the receiver restarted). Exports are added to `leases`
         (a LeaseTable) when given; with lease=False the caller keeps the blocks allocated until
         this returns (see ExportConfig.lease)."""
+        return drive(self.migrate_steps(manager, seq_id, request_id, epoch, state, dedupe=dedupe,
+                                        leases=leases, timeout=timeout, lease=lease))
+
+    def migrate_steps(self, manager, seq_id, request_id: str, epoch: int, state=None, *, dedupe: bool = True,
+                      leases=None, timeout: float | None = None, lease: bool = True) -> Steps:
         from transfer.export import export_sequence
 
         t0 = time.perf_counter()
-        plan = self.plan or self.connect()
+        plan = yield from self._plan_steps()
         reuse: list[int] = []
         c = self.config
         t = manager.table(seq_id)
         nbytes = -(-t.num_computed // manager.block_size) * manager.storage.layout.block_bytes  # none reused
         if dedupe and nbytes > c.inline_bytes:
-            reuse = self.query(request_id, t.token_ids[:t.num_computed], t.extra_key, timeout)
-        cfg = self.export_config(manager.storage, lease=lease)
+            prefix = t.token_ids[:t.num_computed]
+            reuse = yield from self.query_steps(request_id, prefix, t.extra_key, timeout)
+        cfg = yield from self.export_config_steps(manager.storage, lease=lease)
         phases = self.last_phases = {"query_ms": (time.perf_counter() - t0) * 1e3}
         for attempt in range(2):
             t1 = time.perf_counter()
@@ -189,7 +261,7 @@ class SenderSession:
                 leases.add(ex)
             t2 = time.perf_counter()
             try:
-                ack = self.send(ex, timeout)
+                ack = yield from self.send_steps(ex, timeout)
             except DedupeMiss:
                 if attempt or not reuse:
                     raise
@@ -198,7 +270,7 @@ class SenderSession:
             except HandshakeRequired:
                 if attempt:
                     raise
-                plan = self.connect()
+                plan = yield from self.connect_steps()
                 continue
             phases.update(export_ms=(t2 - t1) * 1e3, wire_ms=(time.perf_counter() - t2) * 1e3)
             phases.update({k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES})
@@ -213,9 +285,15 @@ class SenderSession:
         cancels the transfer. last_phases: streamed_ms (offer to final), exposed_ms (final to ack),
         overlap_pct (payload sent before the prefill finished) and the receiver's phases. Raises
         the receiver's typed error."""
-        plan = self.plan or self.connect(timeout)
+        return drive(self.migrate_streamed_steps(manager, request_id, epoch, token_ids, sampling, feed,
+                                                 extra_key, timeout))
+
+    def migrate_streamed_steps(self, manager, request_id: str, epoch: int, token_ids: list[int],
+                               sampling: dict, feed, extra_key: str | None = None,
+                               timeout: float | None = None) -> Steps:
+        plan = yield from self._plan_steps(timeout)
         t0 = time.perf_counter()
-        reuse = self.query(request_id, token_ids, extra_key, timeout)
+        reuse = yield from self.query_steps(request_id, token_ids, extra_key, timeout)
         sx = StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
                             reuse_block_size=plan.dst_block_size if reuse else 0,
                             chunk_bytes=self.config.chunk_bytes, limits=self.config.limits)
@@ -236,7 +314,7 @@ class SenderSession:
 
         early_bytes = [0]
         limit = timeout or self.config.transfer_timeout_s
-        ack, t1 = self._transfer(m, fed(), pieces, limit, final_of=final_of)
+        ack, t1 = yield from self._transfer(m, fed(), pieces, limit, final_of=final_of)
         self.last_phases = {"streamed_ms": (t1 - t0) * 1e3, "exposed_ms": (time.perf_counter() - t1) * 1e3,
                             "overlap_pct": 100.0 * early_bytes[0] / max(1, m.payload_bytes),
                             **{k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES}}

@@ -85,7 +85,7 @@ class ZmqReceiver(MessageReceiver):
         `wake()` is called (None)."""
         deadline = time.monotonic() + timeout
         while True:
-            result = self._commit_landed()
+            result = self.payloads.commit_landed()
             if result is not None:
                 return result
             self._expire()
