@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from coordinator.ledger import Ledger, Phase
 from coordinator.reconcile import Reconciler
 from coordinator.router import Router, WorkerLoad
-from dst.messages import (
+from dst.control_messages import (
     COORDINATOR,
     Abort,
     Imported,

@@ -16,7 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dst.channel import SimAdvert, SimChannel, SimReceiver, SimSource, Task
-from dst.messages import COORDINATOR, Abort, Imported, Migrated, MigrationFailed, Report, Submit, Tokens
+from dst.control_messages import (
+    COORDINATOR,
+    Abort,
+    Imported,
+    Migrated,
+    MigrationFailed,
+    Report,
+    Submit,
+    Tokens,
+)
 from dst.model import LAYOUT, kv_matches, make_manager, next_token, write_kv
 from kvcache import BlockAllocator, KVCacheManager
 from transfer.epochs import EpochGuard
