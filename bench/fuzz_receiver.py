@@ -127,9 +127,9 @@ def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int, secre
         if threading.active_count() > base_threads:
             leaks.append(f"threads {threading.active_count()} vs {base_threads} at start: "
                          f"{sorted(t.name for t in threading.enumerate())}")
-        if rx.streams is not None and (rx.streams._expected or rx.streams._open):
-            leaks.append(f"stream state left: {len(rx.streams._expected)} expected, "
-                         f"{len(rx.streams._open)} open")
+        if rx.bulk is not None and (rx.bulk._expected or rx.bulk._open):
+            leaks.append(f"bulk link state left: {len(rx.bulk._expected)} expected, "
+                         f"{len(rx.bulk._open)} open")
         send(("check", {"leaks": leaks, "digests": digests, "metrics": metrics.snapshot()}))
         digests = {}
 

@@ -138,7 +138,7 @@ def test_case4_oversized_hello_and_early_query_are_refused_unread(gen, monkeypat
 
 def test_case3_a_trickled_stream_opening_is_cut_at_its_total_deadline(gen):
     src, served = _source(gen), Served(pool())  # the default total deadline: stream_open_s=1.0
-    slow = [socket.create_connection(("127.0.0.1", served.rx.streams.port), timeout=5) for _ in range(5)]
+    slow = [socket.create_connection(("127.0.0.1", served.rx.bulk.port), timeout=5) for _ in range(5)]
     try:
         closed = set()
         deadline = time.monotonic() + 5.0  # short of the 7.2 s the 24-byte opening takes at this pace
@@ -168,7 +168,7 @@ def test_case3_unauthenticated_openings_have_their_own_cap_and_cannot_keep_a_sen
     try:
         tx.migrate(src, "a", "first", 1)  # its bulk link is open: an admitted stream's slot
         served.next()
-        idle = [socket.create_connection(("127.0.0.1", served.rx.streams.port), timeout=5) for _ in range(6)]
+        idle = [socket.create_connection(("127.0.0.1", served.rx.bulk.port), timeout=5) for _ in range(6)]
         for s in idle:
             s.sendall(b"P")  # half an opening, held for its 30 s deadline
         assert sum(s.recv(1) == bulk_open.BUSY for s in idle[:2]) == 2  # past the cap: the oldest cut

@@ -71,7 +71,7 @@ def test_a_reconnecting_flood_of_half_openings_costs_migrations_nothing(gen):
     served, sent = Served(pool(num_blocks=128), auto_free=True), TransferMetrics()
     tx = _sender(served, sent)
     stop = threading.Event()
-    flood = [threading.Thread(target=_flood, args=(served.rx.streams.port, stop), daemon=True)
+    flood = [threading.Thread(target=_flood, args=(served.rx.bulk.port, stop), daemon=True)
              for _ in range(FLOOD_THREADS)]
     try:
         tx.migrate(src, "a", "before", 1, dedupe=False)  # the handshake, before the flood

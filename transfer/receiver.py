@@ -75,7 +75,7 @@ class MessageReceiver:
     """The protocol state of one receiver; subclasses move the messages. Its answers before a
     transfer are its `handshake`'s, how transfers end its `payloads`' (collaborators made with it)."""
 
-    streams = None  # the bulk link's listener (ZeroMQ only)
+    bulk = None  # the bulk link's listener (ZeroMQ only)
     idle = None     # unauthenticated connections closed after preauth_s (ZeroMQ only)
 
     def __init__(self, manager, config: TransportConfig | None = None, *, epochs: EpochGuard | None = None,
@@ -117,7 +117,7 @@ class MessageReceiver:
     def _stop(self, peer: Peer):
         """End the peer's transfer here: its landing's reader stopped, its session (returned) dropped."""
         if peer.landing is not None:  # NOTE: its reader stops before the blocks are freed
-            self.streams.cancel(peer.landing)
+            self.bulk.cancel(peer.landing)
             peer.landing = None
         s, peer.session = peer.session, None
         return s
@@ -201,7 +201,7 @@ class MessageReceiver:
                 return payloads.cancel(ident, peer, token)
             if kind == b"F":
                 return payloads.final(ident, peer, token, body)
-            if kind in (b"M", b"W") or self.streams is None:
+            if kind in (b"M", b"W") or self.bulk is None:
                 self._manifest(ident, peer, token, body, streamed=kind in (b"S", b"O"))
                 peer.awaits_final = kind == b"W" and peer.session is not None  # chunks here, then "F"
                 return None
@@ -210,7 +210,7 @@ class MessageReceiver:
                 peer.awaits_final = kind == b"O"  # offered before its prompt finished computing
                 return None
             except TransferError:
-                self.streams.refuse(ident, token)  # its payload, already on the way, is not awaited
+                self.bulk.refuse(ident, token)  # its payload, already on the way, is not awaited
                 raise
         return self._garbled(ident, peer, MalformedMessage(f"unknown message header {bytes(header[:16])!r}"))
 
@@ -239,7 +239,7 @@ class MessageReceiver:
         if not self.admission.admit_transfer(m.request_id, m.epoch, peer.name):
             return self._refuse(ident, header, refused())  # NOTE: before any block is allocated
         self.payloads.supersede(m)
-        if streamed and self.streams is None:
+        if streamed and self.bulk is None:
             return self._refuse(ident, header, MalformedMessage("no bulk link here"))
         try:
             session = ImportSession(self.manager, m, peer.plan, epochs=self.epochs, metrics=self.metrics,
@@ -251,5 +251,5 @@ class MessageReceiver:
         peer.session, peer.token, peer.t0 = session, token, time.perf_counter()
         peer.final, peer.awaits_final, peer.landed, peer.pulled = None, False, False, None
         if streamed:
-            peer.landing = self.streams.expect(ident, token, session)
+            peer.landing = self.bulk.expect(ident, token, session)
         return None

@@ -69,7 +69,7 @@ class Handshake:
         if self.rx.idle is not None:
             self.rx.idle.trusted(peer.fd)
         reply = HelloReply(self.rx.fingerprint, self.rx.config.peer_name)
-        st = self.rx.streams
+        st = self.rx.bulk
         if st is not None and (hello.stream == "tcp" or (hello.stream == "ipc" and st.path)):
             tcp = hello.stream == "tcp"
             reply = HelloReply(self.rx.fingerprint, self.rx.config.peer_name, st.port if tcp else 0,

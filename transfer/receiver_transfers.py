@@ -59,11 +59,11 @@ class Payloads:
 
     def commit_landed(self) -> ImportResult | None:
         """Commit (or fail) the next payload that finished landing on the bulk link."""
-        if self.rx.streams is None:
+        if self.rx.bulk is None:
             return None
-        self.rx.streams.wake.clear()
+        self.rx.bulk.wake.clear()
         try:
-            landing = self.rx.streams.finished.get_nowait()
+            landing = self.rx.bulk.finished.get_nowait()
         except queue.Empty:
             return None
         for ident, peer in self.rx.active.items():

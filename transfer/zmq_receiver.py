@@ -62,22 +62,22 @@ class ZmqReceiver(MessageReceiver):
         self.poller.register(s, zmq.POLLIN)
         self.wakeup = Wakeup()
         self.poller.register(self.wakeup.fd, zmq.POLLIN)
-        self.streams: BulkListener | None = None
+        self.bulk: BulkListener | None = None
         if config.data_plane == "stream":
             scheme, where = parse_address(self.address)
-            self.streams = BulkListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics,
+            self.bulk = BulkListener(where if scheme == "tcp" else "127.0.0.1", config, self.metrics,
                                           self.refusals)
             if scheme == "ipc":
-                self.streams.listen_unix(where + ".data")
-            self.poller.register(self.streams.wake.fd, zmq.POLLIN)
+                self.bulk.listen_unix(where + ".data")
+            self.poller.register(self.bulk.wake.fd, zmq.POLLIN)
 
     # ---- public -----------------------------------------------------------------------------
     def bind(self, address: str) -> str:
         """Also accept connections at another endpoint (e.g. ipc:// beside tcp://); returns it."""
         self.sock.bind(bind_address(address))
         self._bound.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        if self.streams is not None and address.startswith("ipc://") and not self.streams.path:
-            self.streams.listen_unix(address[len("ipc://"):] + ".data")
+        if self.bulk is not None and address.startswith("ipc://") and not self.bulk.path:
+            self.bulk.listen_unix(address[len("ipc://"):] + ".data")
         return self._bound[-1]
 
     def poll(self, timeout: float) -> ImportResult | None:
@@ -101,7 +101,7 @@ class ZmqReceiver(MessageReceiver):
                     for p in self.active.values()]
             if idle:
                 wait = min(wait, max(0.0, min(idle)))
-            if self.streams is not None and not self.streams.finished.empty():
+            if self.bulk is not None and not self.bulk.finished.empty():
                 wait = 0.0
             ready = dict(self.poller.poll(math.ceil(wait * 1000)))
             if self.sock in ready:
@@ -118,8 +118,8 @@ class ZmqReceiver(MessageReceiver):
 
     def close(self) -> None:
         self._forget_all()
-        if self.streams is not None:
-            self.streams.close()
+        if self.bulk is not None:
+            self.bulk.close()
         self.idle.close()
         self.sock.close(0)
         if self.authenticator is not None:
