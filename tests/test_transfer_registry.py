@@ -54,3 +54,17 @@ def test_registry_loads_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
+
+
+def test_pool_readers_are_declared_in_the_registry_without_import_side_effects():
+    code = ("import sys, transfer.pull, transfer.registry as r; "
+            "print(r.source_ways(), 'transfer.nixl_channel' in sys.modules, r.source_opener('sim'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "('shm', 'nixl') False None"
+    assert registry.source_opener("shm").__name__ == "ShmSource"
+    assert registry.register_source("shm", "transfer.pull:ShmSource") == "shm"  # the same again: a no-op
+    with pytest.raises(ValueError, match="declared already"):
+        registry.register_source("shm", "elsewhere:Reader")
+    with pytest.raises(ValueError, match="module:callable"):
+        registry.register_source("odd", "no_colon")

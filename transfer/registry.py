@@ -4,6 +4,8 @@ Workers, coordinator, CLI and bench look a transport up here (`get(name)`) inste
 on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), the
 engine pool options its sending side needs, and what it can do (`Capabilities`). A new transport
 is its files plus one `register(...)` line below, whose factories name functions in those files.
+The pool readers of `transfer.pull` (a receiver's way to read an offered pool, by the offer's
+way) are declared here too (`register_source`), as "module:callable" names imported when opened.
 
 Torch-free at import (the coordinator validates names with it): the factories import their
 transport when called.
@@ -81,6 +83,38 @@ def get(name: str) -> Transport:
         raise ValueError(f"transport must be one of {', '.join(map(repr, names()))}, got {name!r}") from None
 
 
+_SOURCES: dict[str, str] = {}
+
+
+def register_source(way: str, opener: str) -> str:
+    """Declare the pool reader for offers of `way` (`transfer.pull.open_source`): `opener`, a
+    "module:callable" name, is imported at the first offer of that way and called as
+    opener(blob: bytes, storage, host) -> a source (see transfer.pull). Declaring the same again is
+    a no-op; another opener for a declared way is a ValueError."""
+    if not isinstance(opener, str) or ":" not in opener:
+        raise ValueError(f"a pool reader is a 'module:callable' name, got {opener!r}")
+    if _SOURCES.setdefault(way, opener) != opener:
+        raise ValueError(f"pool reader {way!r} is declared already ({_SOURCES[way]})")
+    return way
+
+
+def source_ways() -> tuple[str, ...]:
+    """The declared pool reader ways, in declaration order."""
+    return tuple(_SOURCES)
+
+
+def source_opener(way: str):
+    """The opener declared for `way`, imported now; None when the way is not declared here or its
+    module cannot be imported in this process (an optional dependency missing: the offer is declined)."""
+    where = _SOURCES.get(way)
+    if where is None:
+        return None
+    try:
+        return _load(where)
+    except ImportError:
+        return None
+
+
 def validate(name: str) -> str:
     """`name` when it is registered (for config `__post_init__`s); ValueError otherwise."""
     get(name)
@@ -93,3 +127,6 @@ register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_tran
                    capabilities=Capabilities(same_node_pool=True)))
 register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
                    checksum_mode="manifest", capabilities=Capabilities(one_sided=True)))
+
+register_source("shm", "transfer.pull:ShmSource")
+register_source("nixl", "transfer.nixl_channel:NixlSource")
