@@ -68,3 +68,47 @@ def test_pool_readers_are_declared_in_the_registry_without_import_side_effects()
         registry.register_source("shm", "elsewhere:Reader")
     with pytest.raises(ValueError, match="module:callable"):
         registry.register_source("odd", "no_colon")
+
+
+MEMORY = "memory_channel:MemoryChannel"  # tests/memory_channel.py, a channel outside transfer/
+
+
+def test_a_transport_is_loaded_by_module_path(tmp_path, monkeypatch):
+    memory = registry.get(MEMORY)
+    assert memory.name == MEMORY and registry.get(MEMORY) is memory  # named by its path, loaded once
+    assert registry.validate(MEMORY) == MEMORY and MEMORY not in registry.names()
+    manager = make_manager(KVLayout(2, 2, 8, 16, "float16"), 16)
+    rx = memory.make_receiver(manager, TransportConfig(peer_name="decode-m"), admission=OPEN)
+    try:
+        assert isinstance(rx, ReceiverEndpoint) and rx.address == "memory://decode-m"
+    finally:
+        rx.close()
+    # a Transport itself, or a factory of one
+    (tmp_path / "plugged.py").write_text(
+        "from transfer.registry import Transport\n"
+        "ENTRY = Transport('x', 'memory_channel:make_sender', 'memory_channel:make_receiver')\n"
+        "def entry():\n    return ENTRY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.get("plugged:ENTRY").sender == registry.get("plugged:entry").sender == memory.sender
+
+
+@pytest.mark.parametrize("path, why", [
+    ("no_such_module_here:Channel", "ModuleNotFoundError"),
+    ("memory_channel:NoSuchChannel", "AttributeError"),
+    ("memory_channel:_ENDPOINTS", "names a dict, not a transfer.registry.Transport"),
+    ("memory_channel:make_sender", "its factory raised TypeError"),
+    (":Channel", "is not 'module:attr'"),
+])
+def test_a_bad_module_path_is_a_typed_error_naming_it(path, why):
+    with pytest.raises(registry.TransportPathError, match=why) as info:
+        registry.get(path)
+    assert repr(path) in str(info.value) and isinstance(info.value, ValueError)
+
+
+def test_up_refuses_a_bad_transport_before_starting_anything(capsys):
+    from pdserve_cli.main import main
+
+    assert main(["up", "--transport", "no_such_module_here:Channel"]) == 2
+    assert "'no_such_module_here:Channel' cannot be loaded" in capsys.readouterr().err
+    assert main(["up", "--transport", "nccl"]) == 2
+    assert "'zmq', 'ray', 'nixl'" in capsys.readouterr().err  # the built-in names

@@ -7,12 +7,19 @@ is its files plus one `register(...)` line below, whose factories name functions
 The pool readers of `transfer.pull` (a receiver's way to read an offered pool, by the offer's
 way) are declared here too (`register_source`), as "module:callable" names imported when opened.
 
+A transport outside this package is named by its module path instead, "module:attr" (as vLLM's
+`kv_connector_module_path`; `--transport mypkg.mod:Channel`): `attr` is a `Transport`, an object
+(a channel class) whose `TRANSPORT` is one, or a callable with no arguments returning one,
+imported in every process that looks the path up (docs/transports.md). A path that does not
+name one is a `TransportPathError` naming it.
+
 Torch-free at import (the coordinator validates names with it): the factories import their
 transport when called.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import import_module
 
@@ -75,12 +82,51 @@ def names() -> tuple[str, ...]:
     return tuple(_TRANSPORTS)
 
 
+class TransportPathError(ValueError):
+    """A "module:attr" transport path that does not name a `Transport` (the path and why)."""
+
+
 def get(name: str) -> Transport:
-    """The transport called `name`; ValueError naming the registered ones otherwise."""
+    """The transport called `name`, or named by the module path "module:attr"; ValueError naming
+    the registered ones otherwise (TransportPathError for a path)."""
+    if isinstance(name, str) and ":" in name:
+        return _by_path(name)
     try:
         return _TRANSPORTS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"transport must be one of {', '.join(map(repr, names()))}, got {name!r}") from None
+        raise ValueError(f"transport must be one of {', '.join(map(repr, names()))} or a 'module:attr' "
+                         f"path, got {name!r}") from None
+
+
+_BY_PATH: dict[str, Transport] = {}  # path -> its Transport, named by the path (what configs carry)
+
+
+def _by_path(path: str) -> Transport:
+    transport = _BY_PATH.get(path)
+    if transport is not None:
+        return transport
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise TransportPathError(f"transport path {path!r} is not 'module:attr'")
+    try:
+        found = getattr(import_module(module), attr)
+    except Exception as e:  # noqa: BLE001 - whatever the module raises, said with the path
+        raise TransportPathError(f"transport path {path!r} cannot be loaded: {type(e).__name__}: {e}") \
+            from None
+    if isinstance(getattr(found, "TRANSPORT", None), Transport):  # a channel class declaring its entry
+        found = found.TRANSPORT
+    elif not isinstance(found, Transport) and callable(found):
+        try:
+            found = found()
+        except Exception as e:  # noqa: BLE001 - as above
+            raise TransportPathError(f"transport path {path!r}: its factory raised {type(e).__name__}: {e}") \
+                from None
+    if not isinstance(found, Transport):
+        raise TransportPathError(f"transport path {path!r} names a {type(found).__name__}, not a "
+                                 "transfer.registry.Transport (nor an object with one as TRANSPORT, nor a "
+                                 "factory of one)")
+    transport = _BY_PATH[path] = dataclasses.replace(found, name=path)
+    return transport
 
 
 _SOURCES: dict[str, str] = {}

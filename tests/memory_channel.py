@@ -1,0 +1,97 @@
+"""A test-only KV transport, loaded by module path (`--transport memory_channel:MemoryChannel`,
+`transfer.registry.get`): sender and receiver in one process, the protocol's messages handed
+over in memory. It proves that a channel living outside `transfer/` plugs in through the
+registry alone, by passing the channel conformance suite (test_channel_conformance.py).
+
+It carries the Ray channel's call shape without Ray: a flush of the sender's queued messages is
+one call, `deliver(conn, headers, bodies)` on the receiver endpoint (a
+`transfer.ray_transport.RayReceiverEndpoint`, which serves it inside its owner's `poll`), and the
+call's future returns the receiver's answers. Receivers are found by name in this process
+(`_ENDPOINTS`); payload pieces are views of the sender's pool, leased until the ack.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+
+import msgpack
+
+from transfer.errors import TransferTimeout, TransportClosed
+from transfer.ray_channel import RayChannel, RayPipe, _decode_replies
+from transfer.ray_transport import RayReceiverEndpoint
+from transfer.registry import Transport
+from transfer.session import SenderSession
+
+_ENDPOINTS: dict[str, MemoryReceiver] = {}  # receiver name -> its endpoint, in this process
+
+
+class MemoryReceiver(RayReceiverEndpoint):
+    """The receiving endpoint, reachable by name from senders in this process until closed."""
+
+    @property
+    def address(self) -> str:
+        return f"memory://{self.config.peer_name}"
+
+    def close(self) -> None:
+        _ENDPOINTS.pop(self.config.peer_name, None)
+        super().close()
+
+
+class MemoryPipe(RayPipe):
+    """RayPipe's message batching, each batch one `deliver` call whose future holds the answers."""
+
+    def __init__(self, endpoint: MemoryReceiver, call_timeout_s: float):
+        super().__init__(None, call_timeout_s)
+        self.endpoint = endpoint
+
+    def flush(self) -> None:
+        if not self.headers:
+            return
+        if not self._collect(time.monotonic() + self.call_timeout_s):
+            raise TransferTimeout(f"the receiver did not answer within {self.call_timeout_s}s")
+        headers = msgpack.packb(self.headers, use_bin_type=True)
+        self.pending = self.endpoint.deliver(self.conn, headers, tuple(self.bodies))
+        self.headers, self.bodies = [], []
+
+    def _collect(self, deadline: float) -> bool:
+        if self.pending is None:
+            return True
+        try:
+            data = self.pending.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            return False
+        self.pending = None
+        self.replies.extend(_decode_replies(data))
+        return True
+
+
+class MemoryChannel(RayChannel):
+    """The sending side: the ZeroMQ channel's protocol over a `MemoryPipe` to `endpoint`."""
+
+    TRANSPORT = Transport("memory", "memory_channel:make_sender", "memory_channel:make_receiver",
+                          checksum_mode="manifest")
+
+    def _where(self) -> tuple[str, str]:
+        return "memory", self.config.address
+
+    def _open(self) -> None:
+        self.sock = MemoryPipe(self.actor, self.config.transfer_timeout_s)
+
+
+def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
+    """A session to the receiver named `receiver` in this process (checksums in the manifest)."""
+    endpoint = _ENDPOINTS.get(receiver)
+    if endpoint is None:
+        raise TransportClosed(f"no memory receiver {receiver!r} in this process")
+    config = dataclasses.replace(config, checksum_mode="manifest", data_plane="zmq")
+    return SenderSession(fingerprint, config, MemoryChannel(endpoint, config), faults=faults)
+
+
+def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> MemoryReceiver:
+    """A receiver endpoint senders in this process reach by its name (`config.peer_name`)."""
+    if config.peer_name in _ENDPOINTS:
+        raise ValueError(f"a memory receiver {config.peer_name!r} exists already")
+    endpoint = _ENDPOINTS[config.peer_name] = MemoryReceiver(manager, config, admission=admission)
+    return endpoint
