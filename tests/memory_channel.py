@@ -21,7 +21,7 @@ import msgpack
 from transfer.errors import TransferTimeout, TransportClosed
 from transfer.ray_channel import RayChannel, RayPipe, _decode_replies
 from transfer.ray_transport import RayReceiverEndpoint
-from transfer.registry import Transport
+from transfer.registry import Guarantees, Transport
 from transfer.session import SenderSession
 
 _ENDPOINTS: dict[str, MemoryReceiver] = {}  # receiver name -> its endpoint, in this process
@@ -70,8 +70,12 @@ class MemoryPipe(RayPipe):
 class MemoryChannel(RayChannel):
     """The sending side: the ZeroMQ channel's protocol over a `MemoryPipe` to `endpoint`."""
 
+    # one in-process call at a time: in order; a sender that timed out never reads the answer
     TRANSPORT = Transport("memory", "memory_channel:make_sender", "memory_channel:make_receiver",
-                          checksum_mode="manifest")
+                          checksum_mode="manifest",
+                          guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                                restarts=False, one_sided_reads_are_events=False,
+                                                issued_read_cancellable=True))
 
     def _where(self) -> tuple[str, str]:
         return "memory", self.config.address

@@ -5,6 +5,7 @@ the registered ones named, and the registry loads without torch (the coordinator
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -85,8 +86,8 @@ def test_a_transport_is_loaded_by_module_path(tmp_path, monkeypatch):
         rx.close()
     # a Transport itself, or a factory of one
     (tmp_path / "plugged.py").write_text(
-        "from transfer.registry import Transport\n"
-        "ENTRY = Transport('x', 'memory_channel:make_sender', 'memory_channel:make_receiver')\n"
+        "from memory_channel import MemoryChannel\n"
+        "ENTRY = MemoryChannel.TRANSPORT\n"
         "def entry():\n    return ENTRY\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert registry.get("plugged:ENTRY").sender == registry.get("plugged:entry").sender == memory.sender
@@ -112,3 +113,22 @@ def test_up_refuses_a_bad_transport_before_starting_anything(capsys):
     assert "'no_such_module_here:Channel' cannot be loaded" in capsys.readouterr().err
     assert main(["up", "--transport", "nccl"]) == 2
     assert "'zmq', 'ray', 'nixl'" in capsys.readouterr().err  # the built-in names
+
+
+@pytest.mark.parametrize("name", registry.names() + (MEMORY,))
+def test_every_transport_declares_its_delivery_guarantees(name):
+    declared = registry.get(name).guarantees
+    assert isinstance(declared, registry.Guarantees)
+    assert all(type(v) is bool for v in dataclasses.asdict(declared).values())
+    with pytest.raises(TypeError, match="guarantees"):  # an entry cannot leave them out
+        registry.Transport(name, "m:make_sender", "m:make_receiver")
+
+
+def test_the_declared_guarantees_say_what_issue_53_says():
+    ray, nixl, zmq = (registry.get(n).guarantees for n in ("ray", "nixl", "zmq"))
+    # Ray: calls from one caller arrive in order, a call can run while its reply is lost, actors restart
+    assert ray.ordered_per_caller and ray.reply_may_be_lost_after_running and ray.restarts
+    # NIXL and same-node pool reads: a read is an event, not a message, and cannot be cancelled once issued
+    for g in (ray, nixl):
+        assert g.one_sided_reads_are_events and not g.issued_read_cancellable
+    assert not zmq.one_sided_reads_are_events and not zmq.restarts and not nixl.restarts

@@ -2,7 +2,8 @@
 
 Workers, coordinator, CLI and bench look a transport up here (`get(name)`) instead of branching
 on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), the
-engine pool options its sending side needs, and what it can do (`Capabilities`). A new transport
+engine pool options its sending side needs, what it can do (`Capabilities`) and what its delivery
+promises (`Guarantees`). A new transport
 is its files plus one `register(...)` line below, whose factories name functions in those files.
 The pool readers of `transfer.pull` (a receiver's way to read an offered pool, by the offer's
 way) are declared here too (`register_source`), as "module:callable" names imported when opened.
@@ -39,6 +40,27 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Guarantees:
+    """What a channel promises about delivery, and what it does not: the protocol must be correct
+    under exactly these, and the simulator (dst/) models what a channel declares. Every entry
+    declares them (a required field of `Transport`)."""
+
+    # messages (or calls) from one sender connection arrive in the order they were sent
+    ordered_per_caller: bool
+    # a message (or call) can run on the receiver while its reply never reaches the sender (a broken
+    # link, the sender's timeout): the sender cannot tell "not done" from "done, answer lost"
+    reply_may_be_lost_after_running: bool
+    # the receiving end restarts under the same name with its memory lost (a Ray actor's restart)
+    restarts: bool
+    # with its default pool options, a payload can be read one-sided from the sender's pool: the read
+    # is an event on the receiver (it lands, or fails), not a message the sender sent
+    one_sided_reads_are_events: bool
+    # an issued one-sided read can be cancelled (False: once issued it may still land after its
+    # transfer failed, so the receiver must stop it landing, e.g. close its agent, before freeing blocks)
+    issued_read_cancellable: bool
+
+
+@dataclass(frozen=True)
 class Transport:
     """One registered transport. Its factories are "module:function" names, imported when called
     (so this module stays torch-free and an optional transport's package is needed only in use)."""
@@ -54,6 +76,7 @@ class Transport:
     # EngineConfig fields a sending worker's pool needs (Ray: a /dev/shm pool that same-node peers map)
     engine_options: dict = field(default_factory=dict)
     capabilities: Capabilities = Capabilities()
+    guarantees: Guarantees = field(kw_only=True)  # required: what its delivery promises
 
     def make_sender(self, fingerprint, config, **kwargs):
         return _load(self.sender)(fingerprint, config, **kwargs)
@@ -167,12 +190,26 @@ def validate(name: str) -> str:
     return name
 
 
-register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver"))
+# ZeroMQ: each link (control DEALER, bulk link) delivers in order; a reply is lost with a broken link
+# or a sender's timeout; a restarted worker listens at a new address
+register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver",
+                   guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                         restarts=False, one_sided_reads_are_events=False,
+                                         issued_read_cancellable=True)))
+# Ray: calls from one caller arrive in order, a call can run while its reply is lost, actors restart;
+# a same-node receiver reads the sender's /dev/shm pool (a read, not a message; not cancellable)
 register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
                    checksum_mode="manifest", engine_options={"kv_shm": True},
-                   capabilities=Capabilities(same_node_pool=True)))
+                   capabilities=Capabilities(same_node_pool=True),
+                   guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                         restarts=True, one_sided_reads_are_events=True,
+                                         issued_read_cancellable=False)))
+# NIXL: ZeroMQ's control; a READ is an event, and an issued READ cannot be cancelled (UCX)
 register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
-                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True)))
+                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True),
+                   guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                         restarts=False, one_sided_reads_are_events=True,
+                                         issued_read_cancellable=False)))
 
 register_source("shm", "transfer.pull:ShmSource")
 register_source("nixl", "transfer.nixl_channel:NixlSource")
