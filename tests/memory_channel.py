@@ -16,10 +16,8 @@ import concurrent.futures
 import dataclasses
 import time
 
-import msgpack
-
-from transfer.errors import TransferTimeout, TransportClosed
-from transfer.ray_channel import RayChannel, RayPipe, _decode_replies
+from transfer.errors import TransportClosed
+from transfer.ray_channel import RayChannel, RayPipe
 from transfer.ray_transport import RayReceiverEndpoint
 from transfer.registry import Guarantees, Transport
 from transfer.session import SenderSession
@@ -40,31 +38,21 @@ class MemoryReceiver(RayReceiverEndpoint):
 
 
 class MemoryPipe(RayPipe):
-    """RayPipe's message batching, each batch one `deliver` call whose future holds the answers."""
+    """RayPipe's message batching, each batch one `deliver` call whose future holds the answers
+    (the ray_channel.RayPipe's call and wait, made in memory)."""
 
     def __init__(self, endpoint: MemoryReceiver, call_timeout_s: float):
         super().__init__(None, call_timeout_s)
         self.endpoint = endpoint
 
-    def flush(self) -> None:
-        if not self.headers:
-            return
-        if not self._collect(time.monotonic() + self.call_timeout_s):
-            raise TransferTimeout(f"the receiver did not answer within {self.call_timeout_s}s")
-        headers = msgpack.packb(self.headers, use_bin_type=True)
-        self.pending = self.endpoint.deliver(self.conn, headers, tuple(self.bodies))
-        self.headers, self.bodies = [], []
+    def _call(self, headers: bytes, bodies: list) -> concurrent.futures.Future:
+        return self.endpoint.deliver(self.conn, headers, tuple(bodies))
 
-    def _collect(self, deadline: float) -> bool:
-        if self.pending is None:
-            return True
+    def _answer(self, pending: concurrent.futures.Future, deadline: float) -> bytes | None:
         try:
-            data = self.pending.result(max(0.0, deadline - time.monotonic()))
+            return pending.result(max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            return False
-        self.pending = None
-        self.replies.extend(_decode_replies(data))
-        return True
+            return None
 
 
 class MemoryChannel(RayChannel):
