@@ -26,7 +26,7 @@ import numpy as np
 
 from transfer.checksum import copy_hashed
 from transfer.errors import MalformedMessage, TransferError, TransferTimeout
-from transfer.pull import encode_offsets, register_source
+from transfer.pull import encode_offsets
 from transfer.receiver import ListParts, MessageReceiver
 from transfer.session import Call
 from transfer.wire import DATA, TOKEN
@@ -140,8 +140,6 @@ class SimSource:
     def close(self) -> None:
         pass
 
-
-register_source("sim", SimSource)
 
 
 class SimChannel:

@@ -11,6 +11,7 @@ from dst.faults import Fault, draw_rates
 from dst.invariants import WriteWatch, check_coordinator, check_end, check_pool
 from dst.net import WORLD, Network
 from dst.workers import DecodeWorker, PrefillWorker, SimConfig, Violation
+from transfer.registry import register_source
 from transfer.schema import Limits
 from transfer.transport import TransportConfig
 
@@ -31,6 +32,7 @@ class World:
         """faults: the schedule to replay (None: drawn from the seed's rates as it runs; either way
         `faults` is the schedule that fired)."""
         self.seed, self.cfg = seed, cfg or SimConfig()
+        register_source("sim", "dst.channel:SimSource")  # the pool reader of this world's pull offers
         rng = random.Random(seed ^ 0x5EED)
         rates = draw_rates(rng)
         self.net = Network(seed, sorted(faults or ()), rates if faults is None else {})

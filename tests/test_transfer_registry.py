@@ -5,6 +5,7 @@ the registered ones named, and the registry loads without torch (the coordinator
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,80 @@ def test_registry_loads_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
+
+
+def test_pool_readers_are_declared_in_the_registry_without_import_side_effects():
+    code = ("import sys, transfer.pull, transfer.registry as r; "
+            "print(r.source_ways(), 'transfer.nixl_channel' in sys.modules, r.source_opener('sim'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "('shm', 'nixl') False None"
+    assert registry.source_opener("shm").__name__ == "ShmSource"
+    assert registry.register_source("shm", "transfer.pull:ShmSource") == "shm"  # the same again: a no-op
+    with pytest.raises(ValueError, match="declared already"):
+        registry.register_source("shm", "elsewhere:Reader")
+    with pytest.raises(ValueError, match="module:callable"):
+        registry.register_source("odd", "no_colon")
+
+
+MEMORY = "memory_channel:MemoryChannel"  # tests/memory_channel.py, a channel outside transfer/
+
+
+def test_a_transport_is_loaded_by_module_path(tmp_path, monkeypatch):
+    memory = registry.get(MEMORY)
+    assert memory.name == MEMORY and registry.get(MEMORY) is memory  # named by its path, loaded once
+    assert registry.validate(MEMORY) == MEMORY and MEMORY not in registry.names()
+    manager = make_manager(KVLayout(2, 2, 8, 16, "float16"), 16)
+    rx = memory.make_receiver(manager, TransportConfig(peer_name="decode-m"), admission=OPEN)
+    try:
+        assert isinstance(rx, ReceiverEndpoint) and rx.address == "memory://decode-m"
+    finally:
+        rx.close()
+    # a Transport itself, or a factory of one
+    (tmp_path / "plugged.py").write_text(
+        "from memory_channel import MemoryChannel\n"
+        "ENTRY = MemoryChannel.TRANSPORT\n"
+        "def entry():\n    return ENTRY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.get("plugged:ENTRY").sender == registry.get("plugged:entry").sender == memory.sender
+
+
+@pytest.mark.parametrize("path, why", [
+    ("no_such_module_here:Channel", "ModuleNotFoundError"),
+    ("memory_channel:NoSuchChannel", "AttributeError"),
+    ("memory_channel:_ENDPOINTS", "names a dict, not a transfer.registry.Transport"),
+    ("memory_channel:make_sender", "its factory raised TypeError"),
+    (":Channel", "is not 'module:attr'"),
+])
+def test_a_bad_module_path_is_a_typed_error_naming_it(path, why):
+    with pytest.raises(registry.TransportPathError, match=why) as info:
+        registry.get(path)
+    assert repr(path) in str(info.value) and isinstance(info.value, ValueError)
+
+
+def test_up_refuses_a_bad_transport_before_starting_anything(capsys):
+    from pdserve_cli.main import main
+
+    assert main(["up", "--transport", "no_such_module_here:Channel"]) == 2
+    assert "'no_such_module_here:Channel' cannot be loaded" in capsys.readouterr().err
+    assert main(["up", "--transport", "nccl"]) == 2
+    assert "'zmq', 'ray', 'nixl'" in capsys.readouterr().err  # the built-in names
+
+
+@pytest.mark.parametrize("name", registry.names() + (MEMORY,))
+def test_every_transport_declares_its_delivery_guarantees(name):
+    declared = registry.get(name).guarantees
+    assert isinstance(declared, registry.Guarantees)
+    assert all(type(v) is bool for v in dataclasses.asdict(declared).values())
+    with pytest.raises(TypeError, match="guarantees"):  # an entry cannot leave them out
+        registry.Transport(name, "m:make_sender", "m:make_receiver")
+
+
+def test_the_declared_guarantees_say_what_issue_53_says():
+    ray, nixl, zmq = (registry.get(n).guarantees for n in ("ray", "nixl", "zmq"))
+    # Ray: calls from one caller arrive in order, a call can run while its reply is lost, actors restart
+    assert ray.ordered_per_caller and ray.reply_may_be_lost_after_running and ray.restarts
+    # NIXL and same-node pool reads: a read is an event, not a message, and cannot be cancelled once issued
+    for g in (ray, nixl):
+        assert g.one_sided_reads_are_events and not g.issued_read_cancellable
+    assert not zmq.one_sided_reads_are_events and not zmq.restarts and not nixl.restarts

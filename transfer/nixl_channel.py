@@ -35,9 +35,8 @@ import numpy as np
 import torch
 
 from transfer.errors import MalformedMessage, TransferError
-from transfer.nixl_api import cluster_host
+from transfer.nixl_api import NixlUnavailable, cluster_host
 from transfer.nixl_pool import NixlAgent, Region
-from transfer.pull import register_source
 from transfer.wire_messages import PoolOffer
 
 READ_TIMEOUT_S = 30.0  # the longest one READ (a whole payload, at most) may take before the transfer fails
@@ -103,7 +102,10 @@ class NixlSource:
             self.remote = Region.from_wire(wire["region"])
         except (ValueError, TypeError) as e:  # msgpack's own errors
             raise MalformedMessage(f"a garbled NIXL pool offer: {type(e).__name__}") from None
-        self.agent = NixlAgent(_name("receiver"), host)  # listening only where the cluster reaches it
+        try:
+            self.agent = NixlAgent(_name("receiver"), host)  # listening only where the cluster reaches it
+        except NixlUnavailable as e:  # a receiver without nixl declines the offer: bytes are pushed
+            raise MalformedMessage(str(e)) from None
         try:
             self.local = self.agent.register(_pool_tensor(storage))
             self.base = self.local.addr
@@ -160,8 +162,6 @@ class NixlSource:
         self.agent.close()
 
 
-register_source("nixl", NixlSource)
-
 
 # ---- the registry's factories (transfer.registry) -------------------------------------------------------
 def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
@@ -175,7 +175,7 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
 
 
 def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
-    """A ZeroMQ receiver; NIXL pool offers are read since this module registered its way."""
+    """A ZeroMQ receiver; NIXL pool offers are read through `NixlSource` (the registry's "nixl" way)."""
     from transfer.zmq_receiver import make_receiver as zmq_receiver
 
     # NixlUnavailable here, at start, rather than at the first offer

@@ -1,18 +1,18 @@
 """Payloads the receiver reads from the sender's pool (pull), for any control channel.
 
 After its hello, a sender whose pool can be read from the other side offers it (`PoolOffer`:
-a way and its description). The receiver opens it with that way's opener (`SOURCES`, one entry
-per way) or declines (`PoolReply`); a declined offer leaves the connection pushing bytes as
-before. A whole transfer whose frames all lie in the offered pool then sends, instead of its
-payload, each frame's byte offset in it (`encode_offsets`); the receiver reads every chunk
-straight into the blocks it reserved (`land_pulled`), verifies it against the chunks' checksums,
-and commits or fails exactly as for pushed bytes. The checksums follow the offsets (an "inline"
-manifest, then "K": the sender hashes while the receiver reads, `read_ahead`), or come in the
-manifest. The sender's blocks stay leased until the ack, so nothing it offers can change under
-the read.
+a way and its description). The receiver opens it with that way's opener (declared in
+`transfer.registry`, `register_source`) or declines (`PoolReply`); a declined offer leaves the
+connection pushing bytes as before. A whole transfer whose frames all lie in the offered pool
+then sends, instead of its payload, each frame's byte offset in it (`encode_offsets`); the
+receiver reads every chunk straight into the blocks it reserved (`land_pulled`), verifies it
+against the chunks' checksums, and commits or fails exactly as for pushed bytes. The checksums
+follow the offsets (an "inline" manifest, then "K": the sender hashes while the receiver reads,
+`read_ahead`), or come in the manifest. The sender's blocks stay leased until the ack, so
+nothing it offers can change under the read.
 
 Ways: "shm", a /dev/shm pool file on the same node (`ShmAdvert`, `ShmSource`: one memcpy, pool to
-pool); "nixl" registers itself from `transfer.nixl_channel`. A source is bounds-checked against
+pool); "nixl", `transfer.nixl_channel.NixlSource`. A source is bounds-checked against
 what the sender offered: an offset outside it is a MalformedMessage, never a read.
 """
 
@@ -34,23 +34,19 @@ from transfer.checksum import (
     worker_pool,
 )
 from transfer.errors import FrameCountError, MalformedMessage
+from transfer.registry import source_opener
 from transfer.wire_messages import PoolOffer
 
-# way -> opener(blob: bytes, storage) -> a source with close(), `hashes` (whether it hashes while it
-# copies) and read_many([(offset, bufs), ...], threads) -> per item, the xxh3-64 of what landed when
-# the source hashed while copying, else None
-SOURCES: dict = {}
-
-
-def register_source(way: str, opener) -> None:
-    SOURCES[way] = opener
+# A way's opener (transfer.registry.register_source): opener(blob: bytes, storage, host) -> a source
+# with close(), `hashes` (whether it hashes while it copies) and read_many([(offset, bufs), ...],
+# threads) -> per item, the xxh3-64 of what landed when the source hashed while copying, else None
 
 
 def open_source(offer: PoolOffer, storage, host: str = ""):
     """The source for `offer` on this receiver (its pool: `storage`; `host`: its address in the
     cluster, for a way that listens on the network); MalformedMessage when the way is unknown here
     or the offer cannot be opened (another node's file, a garbled blob)."""
-    opener = SOURCES.get(offer.kind)
+    opener = source_opener(offer.kind)
     if opener is None:
         raise MalformedMessage(f"no pool reader {offer.kind[:16]!r} here")
     return opener(offer.blob, storage, host)
@@ -209,5 +205,3 @@ def shm_advert(storage):
     """The "shm" advert for a sender's pool, when it lives in /dev/shm (else None)."""
     return ShmAdvert(storage) if getattr(storage, "shm_path", None) else None
 
-
-register_source("shm", ShmSource)

@@ -111,26 +111,36 @@ class RayPipe:
             return
         if not self._collect(time.monotonic() + self.call_timeout_s):
             raise TransferTimeout(f"the receiving actor did not answer within {self.call_timeout_s}s")
-        headers = msgpack.packb(self.headers, use_bin_type=True)
-        self.pending = self.actor.kv.remote(self.conn, headers, *self.bodies)
+        self.pending = self._call(msgpack.packb(self.headers, use_bin_type=True), self.bodies)
         self.headers, self.bodies = [], []
+
+    def _call(self, headers: bytes, bodies: list):
+        """Start the call carrying one batch of messages: its pending answer."""
+        return self.actor.kv.remote(self.conn, headers, *bodies)
 
     def _collect(self, deadline: float) -> bool:
         """Wait (until `deadline`) for the outstanding call; its answers join `replies`."""
-        import ray
-
         if self.pending is None:
             return True
-        ready, _ = ray.wait([self.pending], timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
+        pending, self.pending = self.pending, None  # a call that failed is not waited for again
+        data = self._answer(pending, deadline)
+        if data is None:
+            self.pending = pending  # still running
             return False
-        ref, self.pending = self.pending, None
-        try:
-            data = ray.get(ref, timeout=self.call_timeout_s)
-        except ray.exceptions.RayError as e:  # the actor died or raised
-            raise TransferTimeout(f"receiving actor failed: {type(e).__name__}") from None
         self.replies.extend(_decode_replies(data))
         return True
+
+    def _answer(self, pending, deadline: float) -> bytes | None:
+        """The call's answers once it returned by `deadline`, else None."""
+        import ray
+
+        ready, _ = ray.wait([pending], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        try:
+            return ray.get(pending, timeout=self.call_timeout_s)
+        except ray.exceptions.RayError as e:  # the actor died or raised
+            raise TransferTimeout(f"receiving actor failed: {type(e).__name__}") from None
 
     def poll(self, timeout_ms: int = 0) -> bool:
         """Whether an answer is waiting; with a timeout, queued messages go first."""

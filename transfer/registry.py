@@ -2,8 +2,17 @@
 
 Workers, coordinator, CLI and bench look a transport up here (`get(name)`) instead of branching
 on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), the
-engine pool options its sending side needs, and what it can do (`Capabilities`). A new transport
+engine pool options its sending side needs, what it can do (`Capabilities`) and what its delivery
+promises (`Guarantees`). A new transport
 is its files plus one `register(...)` line below, whose factories name functions in those files.
+The pool readers of `transfer.pull` (a receiver's way to read an offered pool, by the offer's
+way) are declared here too (`register_source`), as "module:callable" names imported when opened.
+
+A transport outside this package is named by its module path instead, "module:attr" (as vLLM's
+`kv_connector_module_path`; `--transport mypkg.mod:Channel`): `attr` is a `Transport`, an object
+(a channel class) whose `TRANSPORT` is one, or a callable with no arguments returning one,
+imported in every process that looks the path up (docs/transports.md). A path that does not
+name one is a `TransportPathError` naming it.
 
 Torch-free at import (the coordinator validates names with it): the factories import their
 transport when called.
@@ -11,6 +20,7 @@ transport when called.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import import_module
 
@@ -30,6 +40,27 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Guarantees:
+    """What a channel promises about delivery, and what it does not: the protocol must be correct
+    under exactly these, and the simulator (dst/) models what a channel declares. Every entry
+    declares them (a required field of `Transport`)."""
+
+    # messages (or calls) from one sender connection arrive in the order they were sent
+    ordered_per_caller: bool
+    # a message (or call) can run on the receiver while its reply never reaches the sender (a broken
+    # link, the sender's timeout): the sender cannot tell "not done" from "done, answer lost"
+    reply_may_be_lost_after_running: bool
+    # the receiving end restarts under the same name with its memory lost (a Ray actor's restart)
+    restarts: bool
+    # with its default pool options, a payload can be read one-sided from the sender's pool: the read
+    # is an event on the receiver (it lands, or fails), not a message the sender sent
+    one_sided_reads_are_events: bool
+    # an issued one-sided read can be cancelled (False: once issued it may still land after its
+    # transfer failed, so the receiver must stop it landing, e.g. close its agent, before freeing blocks)
+    issued_read_cancellable: bool
+
+
+@dataclass(frozen=True)
 class Transport:
     """One registered transport. Its factories are "module:function" names, imported when called
     (so this module stays torch-free and an optional transport's package is needed only in use)."""
@@ -45,6 +76,7 @@ class Transport:
     # EngineConfig fields a sending worker's pool needs (Ray: a /dev/shm pool that same-node peers map)
     engine_options: dict = field(default_factory=dict)
     capabilities: Capabilities = Capabilities()
+    guarantees: Guarantees = field(kw_only=True)  # required: what its delivery promises
 
     def make_sender(self, fingerprint, config, **kwargs):
         return _load(self.sender)(fingerprint, config, **kwargs)
@@ -73,12 +105,83 @@ def names() -> tuple[str, ...]:
     return tuple(_TRANSPORTS)
 
 
+class TransportPathError(ValueError):
+    """A "module:attr" transport path that does not name a `Transport` (the path and why)."""
+
+
 def get(name: str) -> Transport:
-    """The transport called `name`; ValueError naming the registered ones otherwise."""
+    """The transport called `name`, or named by the module path "module:attr"; ValueError naming
+    the registered ones otherwise (TransportPathError for a path)."""
+    if isinstance(name, str) and ":" in name:
+        return _by_path(name)
     try:
         return _TRANSPORTS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"transport must be one of {', '.join(map(repr, names()))}, got {name!r}") from None
+        raise ValueError(f"transport must be one of {', '.join(map(repr, names()))} or a 'module:attr' "
+                         f"path, got {name!r}") from None
+
+
+_BY_PATH: dict[str, Transport] = {}  # path -> its Transport, named by the path (what configs carry)
+
+
+def _by_path(path: str) -> Transport:
+    transport = _BY_PATH.get(path)
+    if transport is not None:
+        return transport
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise TransportPathError(f"transport path {path!r} is not 'module:attr'")
+    try:
+        found = getattr(import_module(module), attr)
+    except Exception as e:  # noqa: BLE001 - whatever the module raises, said with the path
+        raise TransportPathError(f"transport path {path!r} cannot be loaded: {type(e).__name__}: {e}") \
+            from None
+    if isinstance(getattr(found, "TRANSPORT", None), Transport):  # a channel class declaring its entry
+        found = found.TRANSPORT
+    elif not isinstance(found, Transport) and callable(found):
+        try:
+            found = found()
+        except Exception as e:  # noqa: BLE001 - as above
+            raise TransportPathError(f"transport path {path!r}: its factory raised {type(e).__name__}: {e}") \
+                from None
+    if not isinstance(found, Transport):
+        raise TransportPathError(f"transport path {path!r} names a {type(found).__name__}, not a "
+                                 "transfer.registry.Transport (nor an object with one as TRANSPORT, nor a "
+                                 "factory of one)")
+    transport = _BY_PATH[path] = dataclasses.replace(found, name=path)
+    return transport
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def register_source(way: str, opener: str) -> str:
+    """Declare the pool reader for offers of `way` (`transfer.pull.open_source`): `opener`, a
+    "module:callable" name, is imported at the first offer of that way and called as
+    opener(blob: bytes, storage, host) -> a source (see transfer.pull). Declaring the same again is
+    a no-op; another opener for a declared way is a ValueError."""
+    if not isinstance(opener, str) or ":" not in opener:
+        raise ValueError(f"a pool reader is a 'module:callable' name, got {opener!r}")
+    if _SOURCES.setdefault(way, opener) != opener:
+        raise ValueError(f"pool reader {way!r} is declared already ({_SOURCES[way]})")
+    return way
+
+
+def source_ways() -> tuple[str, ...]:
+    """The declared pool reader ways, in declaration order."""
+    return tuple(_SOURCES)
+
+
+def source_opener(way: str):
+    """The opener declared for `way`, imported now; None when the way is not declared here or its
+    module cannot be imported in this process (an optional dependency missing: the offer is declined)."""
+    where = _SOURCES.get(way)
+    if where is None:
+        return None
+    try:
+        return _load(where)
+    except ImportError:
+        return None
 
 
 def validate(name: str) -> str:
@@ -87,9 +190,26 @@ def validate(name: str) -> str:
     return name
 
 
-register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver"))
+# ZeroMQ: each link (control DEALER, bulk link) delivers in order; a reply is lost with a broken link
+# or a sender's timeout; a restarted worker listens at a new address
+register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver",
+                   guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                         restarts=False, one_sided_reads_are_events=False,
+                                         issued_read_cancellable=True)))
+# Ray: calls from one caller arrive in order, a call can run while its reply is lost, actors restart;
+# a same-node receiver reads the sender's /dev/shm pool (a read, not a message; not cancellable)
 register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
                    checksum_mode="manifest", engine_options={"kv_shm": True},
-                   capabilities=Capabilities(same_node_pool=True)))
+                   capabilities=Capabilities(same_node_pool=True),
+                   guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                         restarts=True, one_sided_reads_are_events=True,
+                                         issued_read_cancellable=False)))
+# NIXL: ZeroMQ's control; a READ is an event, and an issued READ cannot be cancelled (UCX)
 register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
-                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True)))
+                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True),
+                   guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
+                                         restarts=False, one_sided_reads_are_events=True,
+                                         issued_read_cancellable=False)))
+
+register_source("shm", "transfer.pull:ShmSource")
+register_source("nixl", "transfer.nixl_channel:NixlSource")
