@@ -1,6 +1,6 @@
 """The prefill role on the worker runtime: prefill, send first tokens, migrate, hold on failure.
 
-After each engine step the handler hands every prefilled request to a transfer thread
+After each engine step the handler hands every prefilled request to a migration thread
 (`prefill_worker.migration_threads`), which migrates its live sequences to the decode worker the
 coordinator named, under the epoch it gave (`transfer/`), while the engine keeps stepping; a
 prompt still computing may stream its blocks already (`prefill_worker.streaming`, which shares
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class PrefillWorkerConfig(WorkerConfig):
     transport: str = "zmq"           # how KV travels to decode workers: a name in transfer.registry
     namespace: str = ""              # Ray namespace of the decode actors (ray transport)
-    # bound on one migration's ack and on a handshake (waited for on a transfer thread, not the loop)
+    # bound on one migration's ack and on a handshake (waited for on a migration thread, not the loop)
     transfer_timeout_s: float = 30.0
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
     hold_s: float = 30.0
@@ -72,7 +72,7 @@ class PrefillHandler:
         self._post_result = post
 
     def _post(self, done: MigrationResult) -> None:
-        """A transfer thread's result (called on that thread)."""
+        """A migration thread's result (called on that thread)."""
         self._post_result(done)
 
     # ---- the calling thread -----------------------------------------------------------------------
@@ -87,7 +87,7 @@ class PrefillHandler:
             return QUEUE
         if isinstance(cmd, (Abort, DropHeld)):
             return QUEUE
-        if isinstance(cmd, Connect):  # the handshake runs on that decode worker's transfer thread
+        if isinstance(cmd, Connect):  # the handshake runs on that decode worker's migration thread
             return Reply(error=self.migration_threads.connect(cmd.decode_worker, cmd.decode_address,
                                                     self.config.transfer_timeout_s) or "")
         if isinstance(cmd, Resend):
@@ -164,7 +164,7 @@ class PrefillHandler:
         self._expire_held(events)
 
     def _start_migration(self, rid: str) -> None:
-        """Hand a prefilled request to its decode worker's transfer thread; the blocks stay ours."""
+        """Hand a prefilled request to its decode worker's migration thread; the blocks stay ours."""
         target = self.migrations.targets.pop(rid, None)
         req = self.engine.prefilled.pop(rid)
         if target is None:  # aborted meanwhile
@@ -178,7 +178,7 @@ class PrefillHandler:
         self.migration_threads.start(job)
 
     def _migration_done(self, done: MigrationResult, events: list) -> None:
-        """A transfer thread's result, on the loop thread: free the blocks, or hold them."""
+        """A migration thread's result, on the loop thread: free the blocks, or hold them."""
         job = done.job
         flight = self.migrations.inflight.pop(job.rid)
         self.engine.kv.allocator.free_many(flight.pinned[::-1])

@@ -1,5 +1,5 @@
 """What the prefill role tracks per request between its prefill and the release of its blocks:
-where its KV goes (`Target`), the migration running on a transfer thread (`InFlightMigration`), and the one
+where its KV goes (`Target`), the migration running on a migration thread (`InFlightMigration`), and the one
 object both the handler and the streamed migrations read and write (`Migrations`). Loop thread
 only.
 """
@@ -23,12 +23,12 @@ class Target:
 
 @dataclass
 class InFlightMigration:
-    """A request whose migration runs on a transfer thread; its blocks are freed when it returns.
+    """A request whose migration runs on a migration thread; its blocks are freed when it returns.
     A streamed one starts while the request is still prefilling (request None until finalized)."""
 
     request: object
     cancelled: bool = False  # aborted or superseded meanwhile: free the blocks, report nothing
-    feed: queue.SimpleQueue | None = None  # streamed: what the transfer thread sends next
+    feed: queue.SimpleQueue | None = None  # streamed: what the migration thread sends next
     sent: int = 0                          # streamed: logical blocks handed to the feed so far
     pinned: list = field(default_factory=list)  # streamed: blocks referenced until the result
     finalized: bool = False                # streamed: the final state went out
@@ -45,5 +45,5 @@ class Migrations:
     it is submitted (or resent) and `inflight` when its migration starts."""
 
     targets: dict[str, Target] = field(default_factory=dict)   # request id -> migration target
-    # request id -> migration on a transfer thread
+    # request id -> migration on a migration thread
     inflight: dict[str, InFlightMigration] = field(default_factory=dict)

@@ -117,7 +117,7 @@ class MigrationThreads:
             t.join(5)
         self.senders.close()
 
-    # ---- the transfer threads ----------------------------------------------------------------------
+    # ---- the migration threads ---------------------------------------------------------------------
     def _run(self, name: str, q: queue.SimpleQueue) -> None:
         while True:
             item = q.get()
@@ -125,13 +125,18 @@ class MigrationThreads:
                 return
             if isinstance(item, tuple):  # a handshake request
                 future, address = item
-                future.set_result(self.senders.connect(name, address))
+                try:
+                    future.set_result(self.senders.connect(name, address))
+                except Exception as e:  # a socket error beyond TransferError: this thread serves on
+                    log.exception("migration thread %s: handshake failed", name)
+                    future.set_result(f"{type(e).__name__}: {e}")
                 continue
             try:
                 done = self._migrate(item)
             except Exception as e:  # never lose a job: the handler must get its blocks back
-                log.exception("transfer thread %s failed", name)
-                done = MigrationResult(item, RuntimeError(f"transfer thread failed: {type(e).__name__}"), 0.0)
+                log.exception("migration thread %s failed", name)
+                error = RuntimeError(f"migration thread failed: {type(e).__name__}: {e}")
+                done = MigrationResult(item, error, 0.0)
             self.post(done)
             if isinstance(done.error, TransferTimeout):
                 self._fail_queued(name, q)

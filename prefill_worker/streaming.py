@@ -1,6 +1,6 @@
 """Streamed migration on the prefill side: while a one-choice request's prompt is still being
 prefilled, its complete blocks are pinned (referenced until the transfer returns) and fed to the
-decode worker's transfer thread (`prefill_worker.migration_threads`), and once the prompt is computed the
+decode worker's migration thread (`prefill_worker.migration_threads`), and once the prompt is computed the
 last blocks go with the first token's decode state. Each attempt (target) of a request streams
 at most once: a stream that failed while the prompt was computing is not restarted, the request
 migrates whole after its prefill. `PrefillHandler` owns one `StreamedMigrations` and calls it on
@@ -20,7 +20,8 @@ class StreamedMigrations:
     """Starts, feeds and closes the streamed migrations of one prefill worker.
 
     engine: the worker's LLMEngine (its requests, computed blocks and allocator); migration_threads: the
-    transfer threads the streams run on; migrations: the targets and flights shared with the handler.
+    migration threads the streams run on; migrations: the targets and in-flight migrations shared
+    with the handler.
     """
 
     def __init__(self, engine, migration_threads: MigrationThreads, migrations: Migrations):

@@ -60,7 +60,7 @@ def _resume(actor) -> None:
 
 
 def _record_posts(actor) -> None:
-    """Keep (request id, error type) of every finished transfer the migration_threads hands to the loop."""
+    """Keep (request id, error type) of every MigrationResult the migration threads hand to the loop."""
     migration_threads, real = actor.handler.migration_threads, actor.handler.migration_threads.post
     actor.test_posted = []
 

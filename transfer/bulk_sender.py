@@ -42,6 +42,7 @@ class BulkLink:
         """Open the link; TransportClosed (naming why) when the receiver does not confirm it."""
         if self.sock is not None:
             return
+        s = None
         try:
             if self.where[0] == "tcp":
                 s = socket.create_connection(self.where[1:], timeout=self.open_s)
@@ -60,6 +61,8 @@ class BulkLink:
                     "the receiver closed the bulk link before confirming it (a token it no longer "
                     "knows, or no opening within its deadline)")
         except OSError as e:
+            if s is not None:  # a refused or timed-out opening closes its socket
+                s.close()
             raise TransportClosed(f"cannot open the bulk link: {type(e).__name__}: {e}") from None
         self.sock = s
 
