@@ -292,6 +292,8 @@ class ClusterBackend:
                 except Exception as e:
                     if actor_died(e):  # Ray says it is gone: say so now, not a heartbeat later
                         self.core.mark_dead(worker.name, type(e).__name__)
+                    log.warning("request %s: reserving on %s failed: %s: %s", request.rid, worker.name,
+                                type(e).__name__, e)
                     continue  # either way, ask the next decode worker
                 if reply.granted:
                     taken, actions = self.core.reserved(request, worker)

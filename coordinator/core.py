@@ -406,15 +406,15 @@ class ClusterCore:
         continue on another decode worker. Positions already sent are never sent twice (the
         reorder drops them). Workers are picked now, so a second trigger sees the new owner."""
         s = self.state
-        try:
-            request.decode = s.routers["decode"].pick(self.loads("decode", now), "decode",
-                                                      exclude=s.lost | {bad})
-            request.generated = list(request.tokens[0]) if request.n == 1 else []
-            request.prefill = s.routers["prefill"].pick(self.loads("prefill", now), "prefill",
-                                                        request.prompt + request.generated, exclude=s.lost)
+        try:  # NOTE: picked into locals: a failure below still names `bad`, so its credit goes back
+            decode = s.routers["decode"].pick(self.loads("decode", now), "decode", exclude=s.lost | {bad})
+            generated = list(request.tokens[0]) if request.n == 1 else []
+            prefill = s.routers["prefill"].pick(self.loads("prefill", now), "prefill",
+                                                request.prompt + generated, exclude=s.lost)
         except NoWorkerError:
             return self.fail(request, ServiceUnavailable(f"{why}; no other live decode/prefill worker to "
                                                          "continue on"))
+        request.decode, request.generated, request.prefill = decode, generated, prefill
         request.avoid.add(bad)
         old = s.workers.get(bad)
         actions: list[Action] = [Tell(old, Abort(request.rid))] if old is not None else []  # its credit

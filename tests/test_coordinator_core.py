@@ -258,6 +258,19 @@ def test_a_worker_lost_with_no_other_to_go_to_fails_its_request_cleanly():
     assert core.state.ledger.summary()["failed"] == 1 and not core.state.requests
 
 
+def test_a_resume_with_no_prefill_worker_left_returns_the_failed_decode_workers_credit():
+    """The decode worker `bad` failed a migration and no prefill worker is live: the request fails,
+    and the Abort that returns its credit goes to `bad`, not to the decode worker picked next."""
+    core = make_core(prefill=1, decode=2)
+    request, *_ = admitted(core)
+    assert request.decode == "decode-0"
+    core.state.lost.add("prefill-0")
+    actions = core.resume(request, "decode-0", "migration to decode-0 failed", T0)
+    assert ("decode-0", "r1") in aborts(actions) and ("decode-1", "r1") not in aborts(actions)
+    (error,) = outputs(request)
+    assert isinstance(error, ServiceUnavailable) and "no other live decode/prefill worker" in error.message
+
+
 def test_colocated_requests_of_a_lost_worker_fail_with_503():
     core = make_core(colocated=2)
     request = core.route("r1", 1, PROMPT, {}, T0)
