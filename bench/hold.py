@@ -99,7 +99,7 @@ def probe(url: str, key: str | None, seconds: float | None = None, timeout_s: fl
     while (len(out) < count) if count is not None else (time.monotonic() < end):
         path = "/health" if i % 2 == 0 else "/v1/models"
         r = call(url, "GET", path, key=key if path != "/health" else None, timeout=timeout_s)
-        out.append({"path": path, "status": r.status, "seconds": round(r.seconds, 4)})
+        out.append({"path": path, "status": r.status, "seconds": round(r.seconds, 4), "error": r.error})
         i += 1
     return out
 
@@ -111,7 +111,8 @@ def summary(records: list[dict]) -> dict:
     statuses: dict[str, int] = {}
     for r in records:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    return {"requests": len(records), "answered_200": ok,
+    errors = sorted({r["error"] for r in records if r.get("error")})
+    return {"requests": len(records), "answered_200": ok, "errors": errors,
             "answered_fraction": round(ok / max(1, len(records)), 4),
             "statuses": statuses, "health_probes": len(health),
             "health_p50_ms": round(_pct(health, 50), 1) if health else None,

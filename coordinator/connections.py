@@ -5,7 +5,8 @@
   frees a slot by evicting (aborting) a connection that serves nobody: first one marked suspect
   (it pipelined requests ahead of reading the answers, or its client stopped taking bytes),
   oldest mark first; then the one idle longest between requests; then one that has not finished
-  a request FRESH_GRACE_S after opening (a slowloris). A connection whose request is being
+  a request FRESH_GRACE_S after getting its slot (a slowloris; the time it waited in the queue
+  does not count, or a client queued behind an attack would lose its slot at once). A connection whose request is being
   handled is never evicted unless it is marked suspect (a stalled writer, or a pipeliner). A
   queued connection without a slot after MAX_QUEUE_WAIT_S, or one past a full queue, is answered
   503 with the OpenAI error body and closed within
@@ -42,7 +43,7 @@ BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application
 
 REFUSED_LINGER_S = 1.0  # a refused connection is closed this long after its 503 at the latest
 SWEEP_S = 1.0           # how often the write timeout and the queue's wait are checked
-FRESH_GRACE_S = 1.0     # a connection that never finished a request is evictable this long after opening
+FRESH_GRACE_S = 1.0     # a connection that never finished a request is evictable this long after its slot
 MAX_QUEUE_WAIT_S = 5.0  # a queued connection not given a slot this soon is answered 503
 # NOTE: the kernel's queue of connections not yet accepted (capped by net.core.somaxconn). At
 # aiohttp's 128, a client reconnecting as fast as it is cut fills it, and every other client's
@@ -69,6 +70,7 @@ class Connection:
 
     def __init__(self, opened_at: float, on_admit):
         self.opened_at = opened_at
+        self.admitted_at: float | None = None  # when it got its slot
         self.on_admit = on_admit       # called once the connection has a slot and is made
         self.transport: asyncio.Transport | None = None  # set once the connection is made
         self.admitted = False          # holds a slot (else it waits in the queue)
@@ -146,7 +148,7 @@ class ConnectionTable:
         victim = next(iter(self._suspect), None) or next(iter(self._kept), None)
         if victim is None:
             oldest = next(iter(self._fresh), None)
-            if oldest is not None and now - oldest.opened_at >= FRESH_GRACE_S:
+            if oldest is not None and now - oldest.admitted_at >= FRESH_GRACE_S:
                 victim = oldest
         return victim
 
@@ -162,7 +164,7 @@ class ConnectionTable:
                 self._abort(victim)
             conn = next(iter(self._waiting))
             del self._waiting[conn]
-            conn.admitted = True
+            conn.admitted, conn.admitted_at = True, now
             self.open += 1
             self._fresh[conn] = None
             if conn.transport is not None:

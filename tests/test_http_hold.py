@@ -143,6 +143,24 @@ def test_eviction_takes_suspects_then_kept_then_stale_fresh_never_a_busy_one():
     assert table.evicted == 3 and table.open == 4
 
 
+def test_the_grace_of_a_fresh_connection_counts_from_its_slot_not_its_arrival():
+    clock, admitted = _Clock(), []
+    table = ConnectionTable(max_connections=1, max_queued=4, max_pipelined=0, write_timeout_s=1.0,
+                            clock=clock)
+    slow, slow_t = _made(table, admitted)
+    clock.now = 0.5
+    queued, queued_t = table.admit(lambda: admitted.append(queued)), _Transport()
+    table.made(queued, queued_t)     # waits: the slow one is in its grace
+    assert admitted == [slow]
+    clock.now = 1.2
+    table.sweep(clock.now)           # the slow one's grace is over: the queued one gets its slot
+    assert slow_t.aborted and admitted == [slow, queued]
+    clock.now = 1.6                  # 1.1 s since it arrived, 0.4 s since its slot
+    late = table.admit(lambda: admitted.append(late))
+    table.made(late, _Transport())
+    assert not queued_t.aborted and admitted == [slow, queued] and table.evicted == 1
+
+
 def test_the_write_timeout_restarts_when_the_client_takes_bytes():
     table = ConnectionTable(max_connections=2, max_queued=2, max_pipelined=16, write_timeout_s=1.0)
     conn, transport = _made(table, [])
