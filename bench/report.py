@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import report_serving
+
 RESULTS_DIR = Path("docs/results")
 OUTPUT = Path("docs/results.md")
 VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
@@ -248,7 +250,20 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
              "", f"## Headline ({HEADLINE_MACHINE}, the table in the README)", "", *headline(results_dir), ""]
     for machine, runs in machines.items():
         lines += [f"## {machine}", "", describe_machine(runs), ""]
+        study = report_serving.table(runs)
+        if study:
+            files = ", ".join(f"[{b}.json](results/{machine}/{b}.json)" for b in runs
+                              if b.startswith(("serve-", "plan-")))
+            lines += ["### serving study", "",
+                      "Goodput in req/s [95% interval] at >= 90% of requests within both SLOs; a ratio's "
+                      "\"(tie)\" means the intervals overlap. How to read it: "
+                      "[benchmarks-serving.md](benchmarks-serving.md).", "", *study, ""]
+            if (results_dir / machine / report_serving.PLOT).exists():
+                lines += [f"![goodput per workload](results/{machine}/{report_serving.PLOT})", ""]
+            lines += [files, ""]
         for bench, record in runs.items():
+            if bench.startswith(("serve-", "plan-")) and study:
+                continue  # in the study's table
             rows = summarize(bench, record)
             link = f"[{bench}.json](results/{machine}/{bench}.json)"
             if not rows:

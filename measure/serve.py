@@ -534,8 +534,10 @@ def run_bench(cfg: ServeBenchConfig, log=print) -> dict:
                     srv.stop()
         finally:
             stop_ray(started)
+    from measure.machine import describe
+
     slo = calibration["slo"] if calibration else cfg.slo
-    return {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+    return {"machine": describe(bandwidth=False), "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
             "slo_scaling": calibration["record"] if calibration else None,
             "config": {"preset": None if cfg.trace else cfg.preset, "trace": cfg.trace,
                        "rates": list(cfg.rates),

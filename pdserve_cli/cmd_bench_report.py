@@ -24,9 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.report import ResultsError, render
+    from bench import report_serving
+    from bench.report import ResultsError, load, render
 
     try:
+        if not args.check:  # the serving study's plot first: the report links it where it exists
+            for machine, runs in load(Path(args.results)).items():
+                if report_serving.plot(runs, Path(args.results) / machine / report_serving.PLOT):
+                    print(f"wrote {Path(args.results) / machine / report_serving.PLOT}")
         text = render(Path(args.results))
     except ResultsError as exc:
         print(f"pdserve bench report: {exc}", file=sys.stderr)

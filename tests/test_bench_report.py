@@ -54,3 +54,44 @@ def test_cli_writes_then_checks(tmp_path, capsys):
     assert main(args + ["--check"]) == 0
     out.write_text(out.read_text() + "edited by hand\n")
     assert main(args + ["--check"]) == 1
+
+
+def _goodput(g: float, lo: float, hi: float | None) -> dict:
+    return {"goodput_req_s": g, "ci": [lo, hi]}
+
+
+def _serve(preset: str, colo: dict, disagg: dict, auto: dict) -> dict:
+    return {**CPU, "config": {"preset": preset, "trace": None}, "slo": {"ttft_ms": 8000.0, "tpot_ms": 30.0},
+            "goodput": {"colocated-128": colo, "colocated-512": _goodput(0.1, 0.05, 0.2),
+                        "disaggregated": disagg, "per-request": auto},
+            "overhead": {"disaggregated": {"full": {"migration_ms": {"p50": 4.0}, "ttft_ms": {"p50": 2000.0}}}}}
+
+
+def _plan(colo: float, disagg: float, auto: float, best: str) -> dict:
+    return {"budgets": {"2": {"best": best, "configs": [
+        {"config": "colocated 2", "sustained_rate": colo}, {"config": "1P+1D", "sustained_rate": disagg},
+        {"config": "1P+1D auto", "sustained_rate": auto}]}}}
+
+
+def test_the_serving_study_pairs_each_workload_with_its_plan(tmp_path):
+    folder = tmp_path / "results" / "amd-epyc-f25m1"
+    folder.mkdir(parents=True)
+    # separated: 1P+1D 0.4 [0.3-0.6] against colocated 0.2 [0.1-0.25]; auto ties 1P+1D
+    (folder / "serve-long-prompt-long-output.json").write_text(json.dumps(_serve(
+        "long-prompt-long-output", _goodput(0.2, 0.1, 0.25), _goodput(0.4, 0.3, 0.6), _goodput(0.35, 0.3, None))))
+    (folder / "plan-long-prompt-long-output.json").write_text(json.dumps(_plan(0.2, 0.4, 0.4, "1P+1D")))
+    (folder / "serve-mixed.json").write_text(json.dumps(_serve(
+        "mixed", _goodput(1.0, 0.8, 1.5), _goodput(0.5, 0.4, 0.7), _goodput(0.9, 0.8, 1.2))))
+    out = tmp_path / "results.md"
+    assert main(["bench", "report", "--results", str(tmp_path / "results"), "--out", str(out)]) == 0
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| long-prompt") or line.startswith("| mixed")]
+    assert len(rows) == 2, text
+    llo, mixed = rows
+    # the best colocated budget is the baseline; 1P+1D separated from it, per-request tied with 1P+1D
+    assert "0.20 [0.10–0.25] (colocated-128)" in llo and "| 2.00x |" in llo and "| 0.88x (tie) |" in llo
+    assert "| 0.2% |" in llo and "| 0.20 / 0.40 / 0.40 | disaggregated | disaggregated (tie: per-request) |" in llo
+    assert "| 0.50x |" in mixed and "| - | - | colocated (tie: per-request) |" in mixed  # no plan
+    assert (folder / "serve-goodput.png").stat().st_size > 0 and "serve-goodput.png" in text
+    assert "serve-mixed.json" in text and "no summary" not in text
+    assert main(["bench", "report", "--results", str(tmp_path / "results"), "--out", str(out), "--check"]) == 0

@@ -95,7 +95,8 @@ def test_run_length_estimate_from_the_unloaded_times():
     # 1 setup, 2 steps of 10 requests at 2 req/s; e2e 0.1 + 9 x 0.01 = 0.19 s; calibration 2 x (0.1 + 0.19)
     est = serve_slo.estimate_seconds(1, [2.0, 1.0], 10, 100.0, 10.0, 10.0, 2, start_s=30.0)
     assert est == pytest.approx(30.0 + 2 * 0.29 + (5.0 + 0.19) + (10.0 + 0.19))
-    assert serve_slo.start_rate(2, 100.0, 10.0, 10.0) == pytest.approx(2 / 0.19)
+    assert serve_slo.start_rate(2, 100.0, 10.0, 10.0, share=1.0) == pytest.approx(2 / 0.19)
+    assert serve_slo.start_rate(2, 100.0, 10.0, 10.0) == pytest.approx(serve_slo.START_SHARE * 2 / 0.19)
     # the longest search halves from its start down to start / span, then stops
     assert serve_slo.slowest_rates(4.0, 6, 4.0) == [4.0, 2.0, 1.0]
     assert serve_slo.slowest_rates(4.0, 6, 3.0) == [4.0, 2.0, pytest.approx(4 / 3)]
