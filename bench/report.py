@@ -166,6 +166,14 @@ def _plan_validate(r: dict) -> list[Row]:
                            ("goodput", "goodput req/s")):
             rows.append((f"{row['config']} at {row['rate']:g} req/s: {label}, predicted vs measured",
                          _num(p.get(key)), _num(m.get(key)), _ratio(p.get(key), m.get(key))))
+    goodput = r.get("validate", {}).get("goodput") or {}
+    for config, c in (goodput.get("configs") or {}).items():
+        rows.append((f"{config}: goodput search req/s, predicted vs measured", _num(c["predicted"], 2),
+                     _num(c["measured"], 2), _ratio(c["predicted"], c["measured"])))
+    if goodput.get("predicted_best"):
+        rows.append(("the configuration picked, predicted vs measured (tied with the best)",
+                     goodput["predicted_best"], ", ".join(goodput["measured_tied_with_best"]),
+                     "match" if goodput["pick_matches"] else "DIFFERENT"))
     return rows
 
 

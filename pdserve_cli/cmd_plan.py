@@ -80,6 +80,10 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot predicted goodput against rate")
     p.add_argument("--validate", action="store_true", help="also run bench serve here and compare (minutes)")
     p.add_argument("--validate-requests", type=int, default=40, help="requests per measured rate (40)")
+    p.add_argument("--validate-search", type=int, metavar="STEPS",
+                   help="with --validate: bench serve's goodput search, STEPS runs per configuration from the "
+                        "lowest --rates value, instead of one run per rate; compares measured goodput with "
+                        "the predicted sustained rate and the picks")
     p.add_argument("--resimulate", metavar="FILE", action="append", default=[],
                    help="a saved `plan --validate --json` file: predict its measured cells again with this "
                         "profile's model, no serving (repeatable)")
@@ -175,7 +179,9 @@ def run(args) -> int:
         v = run_validate(model, args.rates, args.validate_requests, slo, model.contention or 1.0,
                          log=lambda m: print(m, flush=True), preset=args.preset or "mixed",
                          served_model=served, trace=args.trace if mooncake else None,
-                         step_budget=args.step_budget)
+                         step_budget=args.step_budget, search_steps=args.validate_search,
+                         predicted_goodput={r["config"]: r["sustained_rate"]
+                                            for r in result.get(2, {}).get("rows", [])})
         print("\nvalidation (bench serve here, beside the model), ms and req/s")
         print(format_validate(v))
         out["validate"] = v

@@ -117,12 +117,18 @@ def _serve_config(rates, num_requests: int, slo, preset: str = "mixed", model: s
 
 def run_validate(model: StepModel, rates, num_requests: int, slo, contention: float, log=print,
                  preset: str = "mixed", served_model: str = "tiny", trace: str | None = None,
-                 step_budget: int = 512) -> dict:
+                 step_budget: int = 512, search_steps: int | None = None,
+                 predicted_goodput: dict[str, float] | None = None) -> dict:
     """Serve the configurations with bench serve (`served_model`: the model the profile measured)
-    and predict the very same requests."""
+    and predict the very same requests. With `search_steps`, bench serve runs its goodput search
+    (that many steps per configuration, `rates[0]` the first rate) instead of one run per rate, and
+    `goodput` sets each configuration's measured goodput beside `predicted_goodput` (the plan's
+    sustained rate per configuration label)."""
     from measure.serve import run_bench
 
     cfg = _serve_config(rates, num_requests, slo, preset, served_model, trace, step_budget)
+    if search_steps:
+        cfg = replace(cfg, rates=(), search_steps=search_steps, search_start=min(rates), search_span=4.0)
     report = run_bench(cfg, log=log)
     measured = [{"mode": r["mode"], "rate": r["rate"], "seed": r.get("seed"), "measured": _pick(r),
                  "slo_met": r["slo_met"],
@@ -130,8 +136,39 @@ def run_validate(model: StepModel, rates, num_requests: int, slo, contention: fl
                  "requests": _per_request(r.get("requests"))} for r in report["runs"]]
     unloaded = {name: {"measured_ttft_p50": o["prefill_only"]["ttft_ms"]["p50"]}
                 for name, o in report["overhead"].items() if o}
-    return {**compare(model, cfg, measured, unloaded, contention), "serve_config": report["config"],
-            "slo": report["slo"]}
+    out = {**compare(model, cfg, measured, unloaded, contention), "serve_config": report["config"],
+           "slo": report["slo"]}
+    if search_steps:
+        out["goodput"] = goodput_against(report["goodput"], predicted_goodput or {})
+    return out
+
+
+# bench serve's setup labels (one colocated budget) -> the planner's configuration labels
+SERVE_LABELS = {"colocated": "colocated 2", "disaggregated": "1P+1D", "per-request": "1P+1D auto"}
+
+
+def goodput_against(measured: dict[str, dict], predicted: dict[str, float]) -> dict:
+    """Per configuration: bench serve's goodput search (goodput, interval) beside the plan's predicted
+    sustained rate, the error (predicted / measured - 1) and whether it is within TARGET; and the
+    picks: the plan's best, the measured best and the configurations tied with it (their intervals
+    overlap), and whether the plan's pick is among those."""
+    from measure.serve_goodput import tie
+
+    rows = {}
+    for lbl, g in measured.items():
+        config = SERVE_LABELS.get(lbl, lbl)
+        pred, meas = predicted.get(config), g["goodput_req_s"]
+        err = None if pred is None or not meas else pred / meas - 1
+        rows[config] = {"measured": meas, "ci": g["ci"], "predicted": pred, "error": err,
+                        "within_target": err is not None and abs(err) <= TARGET}
+    if not rows:
+        return {"configs": rows}
+    best = max(rows, key=lambda k: rows[k]["measured"])
+    tied = [k for k in rows if tie(rows[k]["ci"], rows[best]["ci"])]
+    known = {k: v["predicted"] for k, v in rows.items() if v["predicted"] is not None}
+    pick = max(known, key=known.get) if known else None
+    return {"configs": rows, "measured_best": best, "measured_tied_with_best": tied, "predicted_best": pick,
+            "pick_matches": pick in tied if pick else None}
 
 
 def resimulate(model: StepModel, saved: dict, contention: float) -> dict:
@@ -298,6 +335,17 @@ def format_validate(v: dict) -> str:
         lines.append(f"unloaded TTFT ({name}, max_tokens=1, back to back): measured p50 "
                      f"{_f(u['measured_ttft_p50'])} ms, model prefill p50 {_f(u['model_prefill_p50'])} ms, "
                      f"+ serving path {_f(u.get('model_ttft_p50'))} ms")
+    g = v.get("goodput")
+    if g and g["configs"]:
+        lines.append("goodput search (req/s at >= 90% within both SLOs): measured [interval] / predicted, err")
+        for name, c in g["configs"].items():
+            hi = "open" if c["ci"][1] is None else f"{c['ci'][1]:.2f}"
+            pred = "-" if c["predicted"] is None else f"{c['predicted']:.2f}"
+            lines.append(f"  {name}: {c['measured']:.2f} [{c['ci'][0]:.2f}..{hi}] / {pred}, "
+                         f"{_pct(c['error'])}")
+        lines.append(f"  pick: predicted {g['predicted_best']}, measured {g['measured_best']} (tied with it: "
+                     f"{', '.join(g['measured_tied_with_best'])}): "
+                     f"{'match' if g['pick_matches'] else 'DIFFERENT'}")
     rk = v["ranking"]
     lines.append(f"ranking by goodput: measured {rk['measured']}, predicted {rk['predicted']}: "
                  f"{'match' if rk['match'] else 'DIFFERENT'} on the pairs the measurement separates"

@@ -122,3 +122,21 @@ def test_profile_and_validation_serve_the_model_asked_for():
         ("colocated", 256, "colocated"), ("disaggregated", 256, "disaggregated"),
         ("per_request", 256, "per-request")]
     assert _serve_config([1.0], 10, SLO()).model == "tiny"  # saved validations from before: tiny
+
+
+def test_validation_by_goodput_search_sets_prediction_beside_measurement():
+    from planner.validate import SERVE_LABELS, goodput_against
+
+    measured = {"colocated": {"goodput_req_s": 0.2, "ci": [0.1, 0.3]},
+                "disaggregated": {"goodput_req_s": 0.5, "ci": [0.4, None]},
+                "per-request": {"goodput_req_s": 0.45, "ci": [0.35, 0.8]}}
+    predicted = {"colocated 2": 0.3, "1P+1D": 0.5, "1P+1D auto": 0.6}
+    g = goodput_against(measured, predicted)
+    assert set(g["configs"]) == set(SERVE_LABELS.values())
+    c = g["configs"]["colocated 2"]
+    assert c["error"] == pytest.approx(0.5) and not c["within_target"]
+    assert g["configs"]["1P+1D"]["within_target"] and g["measured_best"] == "1P+1D"
+    # the plan picks auto, which the measurement cannot tell from 1P+1D: a match; colocated is separated
+    assert g["measured_tied_with_best"] == ["1P+1D", "1P+1D auto"]
+    assert g["predicted_best"] == "1P+1D auto" and g["pick_matches"] is True
+    assert goodput_against(measured, {"colocated 2": 1.0})["pick_matches"] is False
