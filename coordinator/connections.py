@@ -5,11 +5,11 @@
   frees a slot by evicting (aborting) a connection that serves nobody: first one marked suspect
   (it pipelined requests ahead of reading the answers, or its client stopped taking bytes),
   oldest mark first; then the one idle longest between requests; then one that has not finished
-  a request FRESH_GRACE_S after getting its slot (a slowloris; the time it waited in the queue
-  does not count, or a client queued behind an attack would lose its slot at once). A connection whose request is being
-  handled is never evicted unless it is marked suspect (a stalled writer, or a pipeliner). A
-  queued connection without a slot after MAX_QUEUE_WAIT_S, or one past a full queue, is answered
-  503 with the OpenAI error body and closed within
+  a request FRESH_GRACE_S after getting its slot (a slowloris; the time it waited in the
+  queue does not count, or a client queued behind an attack would lose its slot at once). A
+  connection whose request is being handled is never evicted unless it is marked suspect (a
+  stalled writer, or a pipeliner). A queued connection without a slot after MAX_QUEUE_WAIT_S, or
+  one past a full queue, is answered 503 with the OpenAI error body and closed within
   REFUSED_LINGER_S, its request never read.
 - Every response has a write timeout: a connection whose transport holds unsent bytes that its
   client has not taken for `write_timeout_s` is aborted (checked every SWEEP_S), whatever wrote

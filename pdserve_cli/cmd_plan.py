@@ -81,9 +81,9 @@ def add_arguments(p) -> None:
     p.add_argument("--validate", action="store_true", help="also run bench serve here and compare (minutes)")
     p.add_argument("--validate-requests", type=int, default=40, help="requests per measured rate (40)")
     p.add_argument("--validate-search", type=int, metavar="STEPS",
-                   help="with --validate: bench serve's goodput search, STEPS runs per configuration from the "
-                        "lowest --rates value, instead of one run per rate; compares measured goodput with "
-                        "the predicted sustained rate and the picks")
+                   help="with --validate: bench serve's goodput search, STEPS runs per configuration from "
+                        "the lowest --rates value, instead of one run per rate; compares measured goodput "
+                        "with the predicted sustained rate and the picks")
     p.add_argument("--resimulate", metavar="FILE", action="append", default=[],
                    help="a saved `plan --validate --json` file: predict its measured cells again with this "
                         "profile's model, no serving (repeatable)")

@@ -337,7 +337,8 @@ def format_validate(v: dict) -> str:
                      f"+ serving path {_f(u.get('model_ttft_p50'))} ms")
     g = v.get("goodput")
     if g and g["configs"]:
-        lines.append("goodput search (req/s at >= 90% within both SLOs): measured [interval] / predicted, err")
+        lines.append("goodput search (req/s at >= 90% within both SLOs): measured [interval] / predicted, "
+                     "err")
         for name, c in g["configs"].items():
             hi = "open" if c["ci"][1] is None else f"{c['ci'][1]:.2f}"
             pred = "-" if c["predicted"] is None else f"{c['predicted']:.2f}"
