@@ -13,9 +13,9 @@ by the network, its clock the virtual one. `SimSource` is the pool reader of `tr
 the way "sim": it copies from the sending worker's pool in this process (its `SimAdvert`), and it
 refuses an offer from an earlier incarnation of that worker (its pool may be gone).
 
-Delivery guarantees modelled: messages of one connection arrive in order unless a fault says
-otherwise; a message can be lost, duplicated, delayed or corrupted; a one-sided pool read is a
-copy made when its offsets arrive.
+Delivery guarantees modelled: the transport's declared ones (`dst.guarantees`, applied by
+`dst.net.Network`); a one-sided pool read is a copy made when its offsets arrive, unless a
+`late_read` fault makes it miss its bound (`SimSource`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from transfer.checksum import copy_hashed
-from transfer.errors import MalformedMessage, TransferError, TransferTimeout
+from transfer.errors import MalformedMessage, TransferError, TransferTimeout, TransportClosed
 from transfer.pull import encode_offsets
 from transfer.receiver import ListParts, MessageReceiver
 from transfer.session import Call
@@ -115,10 +115,18 @@ class SimAdvert:
 
 
 class SimSource:
-    """Receiver side of the way "sim": reads from the offering worker's pool, in this process."""
+    """Receiver side of the way "sim": reads from the offering worker's pool, in this process.
+
+    A message carrying a `late_read` fault (`dst.guarantees`) makes the read it starts miss its
+    bound: TransferTimeout, so the receiver fails the transfer and frees its blocks. Under a
+    transport whose issued reads cannot be cancelled, the bytes still land later (a timer on the
+    reading worker) unless the source is closed first - which it does itself before raising, as
+    `transfer.nixl_channel.NixlSource` does (`stops_late_reads`). A closed source reads nothing
+    more: TransportClosed, as a closed NIXL agent's reads."""
 
     hashes = True
     workers: dict = {}  # name -> the live prefill worker (set by the world)
+    stops_late_reads = True  # closes itself before a late read's TransferTimeout is raised
 
     def __init__(self, blob: bytes, storage=None, host: str = ""):
         name, _, inc = bytes(blob).decode("utf-8", "replace").rpartition(":")
@@ -126,20 +134,45 @@ class SimSource:
         if worker is None or str(worker.incarnation) != inc:
             raise MalformedMessage("the offered pool is not there (another incarnation)")
         self.worker, self.incarnation = worker, worker.incarnation
+        self.net, self.closed = worker.net, False
+        self.reader = next((n for n, w in self.net.nodes.items()  # the worker whose pool it reads into
+                            if getattr(getattr(w, "manager", None), "storage", None) is storage), None)
 
     def read_many(self, items, threads: int = 1) -> list[int]:
+        if self.closed:
+            raise TransportClosed("the pool reader was closed")
         base = self.worker.manager.storage._bytes
+        for offset, bufs in items:
+            if offset + sum(b.nbytes for b in bufs) > base.nbytes:
+                raise MalformedMessage("a chunk lies outside the sender's pool")
+        env = self.net.reading
+        if env is not None and env.late_read is not None:
+            arg, env.late_read = env.late_read, None
+            self._issue_late(base, items, arg)
+            raise TransferTimeout("a pool read did not finish within its bound")
         out = []
         for offset, bufs in items:
             n = sum(b.nbytes for b in bufs)
-            if offset + n > base.nbytes:
-                raise MalformedMessage("a chunk lies outside the sender's pool")
             out.append(copy_hashed(bufs, base[offset:offset + n]))
         return out
 
-    def close(self) -> None:
-        pass
+    def _issue_late(self, base, items, arg: int) -> None:
+        """The read was issued and missed its bound: cancelled with its transfer, or - when the
+        transport's issued reads cannot be cancelled - landing 1-500 virtual ms later unless the
+        source is closed by then."""
+        if not self.net.model.late_reads_land or self.reader is None:
+            return
 
+        def land():
+            if not self.closed:
+                for offset, bufs in items:
+                    copy_hashed(bufs, base[offset:offset + sum(b.nbytes for b in bufs)])
+        self.net.timer(self.reader, self.net.now + 0.001 + arg % 500 / 1000, land)
+        if self.stops_late_reads:
+            self.close()
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class SimChannel:

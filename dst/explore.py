@@ -19,12 +19,14 @@ import hashlib
 import logging
 import time
 
-from dst.faults import Fault, format_schedule
+from dst.faults import MESSAGE_FAULTS, Fault, format_schedule
+from dst.guarantees import net_model
 from dst.mutants import mutant
 from dst.workers import SimConfig, Violation
 from dst.world import World
 
-# what a fault may be in exhaustive mode ("delay" is left out: order is free here anyway)
+# what a fault may be in exhaustive mode ("delay" is left out: order is free here anyway; "late_read"
+# too: it hits only the messages that start a pool read), of those the transport allows
 KINDS = ("drop", "dup", "corrupt", "reorder", "cut", "crash_decode", "crash_prefill", "cancel", "expire",
          "supersede")
 CORRUPT_ARG = 0  # flips the lowest bit of the last byte of the message's last part
@@ -50,7 +52,7 @@ class _Chooser:
     def faults_at(self, sent: int, kv: bool) -> list[Fault]:
         if self.faults >= self.max_faults or sent > self.max_messages:
             return []
-        options = [(k,) for k in self.kinds if kv or k not in ("drop", "dup", "corrupt", "reorder", "cut")]
+        options = [(k,) for k in self.kinds if kv or k not in MESSAGE_FAULTS]
         if kv and self.faults + 2 <= self.max_faults and set(DUP_CORRUPT) <= set(self.kinds):
             options.append(DUP_CORRUPT)
         c = self.choose(1 + len(options))
@@ -101,7 +103,8 @@ def _state(world: World, faults_left: int) -> bytes:
             for d, s in sorted(w.sessions.items()):
                 ch = s.channel
                 h.append((d, s.token, s.plan is None, ch.conn, ch.connected, ch.pull, ch.offered,
-                          repr(ch.inbox), ch.waiting[1].headers if ch.waiting else None))
+                          repr(ch.inbox), ch.waiting[1].headers if ch.waiting else None,
+                          net._conn_incarnation.get((ch.conn, d))))  # (which process it reaches)
         else:
             h.append((tuple(sorted(w.reserved.items())),
                       tuple(sorted((r, len(x.generated)) for r, x in w.running.items()))))
@@ -118,15 +121,20 @@ def _state(world: World, faults_left: int) -> bytes:
 
 def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, kinds=KINDS,
             mutant_name: str | None = None, time_limit_s: float = 600.0, max_steps: int = 2000,
-            seed: int = 0, stage: bool = True, max_runs: int | None = None, first: list[int] = ()) -> dict:
+            seed: int = 0, stage: bool = True, max_runs: int | None = None, first: list[int] = (),
+            transport="zmq") -> dict:
     """Every run of the small case (see the module docstring), the decode worker landing through
     staging or not (`stage`). Returns runs, distinct states, seconds, `complete` (every run was
     explored: not stopped by a violation, `time_limit_s` or `max_runs`), and the first violation
     (with the faults and the choices that reach it), or None. first: the choices to start from (a
-    violation's `choices` with max_runs=1 replays it)."""
+    violation's `choices` with max_runs=1 replays it). transport: whose declared guarantees it models
+    (`dst.guarantees`): only the `kinds` it allows are placed, and the decode worker reads the
+    sender's pool only where the transport reads one-sided."""
     logging.getLogger("coordinator.reconcile").setLevel(logging.ERROR)
     logging.getLogger("transfer.refusals").setLevel(logging.ERROR)
     cfg = SimConfig(prefills=1, decodes=1, reports=False)
+    model = net_model(transport)
+    kinds = tuple(k for k in kinds if k in model.kinds)
     seen: set[bytes] = set()
     runs, t0, prefix = 0, time.perf_counter(), list(first)
     violation, complete = None, False
@@ -134,7 +142,8 @@ def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, k
         while True:
             runs += 1
             chooser = _Chooser(prefix, max_faults, max_messages, kinds)
-            world = World(seed, [], cfg=cfg, requests=requests, pull=True, stage=stage)
+            world = World(seed, [], cfg=cfg, requests=requests, pull=model.pulls, stage=stage,
+                          transport=model)
             world.net.choose_faults = chooser.faults_at
             try:
                 while world.net.pending and world.steps < max_steps:
@@ -169,4 +178,4 @@ def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, k
                 break
     return {"runs": runs, "states": len(seen), "seconds": time.perf_counter() - t0, "violation": violation,
             "complete": complete, "requests": requests, "max_faults": max_faults,
-            "max_messages": max_messages, "stage": stage, "kinds": list(kinds)}
+            "max_messages": max_messages, "stage": stage, "kinds": list(kinds), "transport": model.transport}

@@ -15,6 +15,10 @@ Our own, in the protocol's riskiest branches:
 - `fail_keeps_reservation`: a failed transfer is nacked but its reserved blocks are not returned;
 - `abort_keeps_reused`: an aborted import returns its fresh blocks but not the cached prefix blocks
   it took a reference on (dedupe).
+Of a transport's declared guarantees (`dst.guarantees`):
+- `late_read_lands`: a pool reader whose issued reads cannot be cancelled does not stop a read that
+  missed its bound before the receiver frees the blocks it reads into (what the close in
+  `transfer.nixl_channel.NixlSource.read_many` prevents): its bytes land in freed blocks.
 """
 
 from __future__ import annotations
@@ -111,9 +115,15 @@ def _abort_keeps_reused():
     return ImportSession, "abort", abort
 
 
+def _late_read_lands():
+    from dst.channel import SimSource
+
+    return SimSource, "stops_late_reads", False
+
+
 MUTANTS = {"late_migrated": _late_migrated, "late_submit": _late_submit, "reoffer": _reoffer,
            "skip_checksum": _skip_checksum, "fail_keeps_reservation": _fail_keeps_reservation,
-           "abort_keeps_reused": _abort_keeps_reused}
+           "abort_keeps_reused": _abort_keeps_reused, "late_read_lands": _late_read_lands}
 
 
 @contextlib.contextmanager

@@ -2,11 +2,14 @@
 
 Everything that happens is an event in `pending`: a message on its way (`Envelope`) or a timer.
 `step` picks the next one (`pick`: by default the earliest, ties broken by a seeded draw; the
-exhaustive explorer passes its own) and runs it; the clock jumps to its time. Messages on one link
-(sender, receiver) arrive in the order they were sent unless a `reorder` fault held one back, as
-the channels declare (ZeroMQ and Ray: in order per connection). The faults of the schedule fire
-at message boundaries (`dst.faults`). A node restarted by a crash gets a new incarnation: timers
-and deliveries addressed to the old one are dropped.
+exhaustive explorer passes its own) and runs it; the clock jumps to its time. What the network may
+do is the transport's declared guarantees (`model`, a `dst.guarantees.NetModel`): with
+`ordered_per_caller` the KV messages of one connection arrive in the order they were sent (other
+connections' may overtake them) and no `reorder` fault is drawn; commands and events (Ray calls)
+arrive in order per link. The faults of the schedule fire at message boundaries (`dst.faults`),
+only those the model admits for that message. A node restarted by a crash gets a new
+incarnation: timers and deliveries addressed to the old one are dropped, and without `restarts`
+(a new address) so is every later message on a connection opened before the crash.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 from dst.faults import MESSAGE_FAULTS, Fault
+from dst.guarantees import NetModel, net_model
 
 WORLD = "world"  # the node world faults run on
 
@@ -44,7 +48,8 @@ class Envelope:
     conn: bytes        # the connection it belongs to (KV messages), or b""
     payload: object    # list of byte parts (KV wire), or a command/event object
     link_seq: int = 0  # its place in its link's order
-    held: bool = False  # a reorder fault let later messages overtake it
+    held: bool = False  # not in its link's order (a reorder fault, or an unordered transport)
+    late_read: int | None = None  # a late_read fault: the pool read it starts is late (its arg)
 
 
 @dataclass
@@ -57,8 +62,12 @@ class Network:
     faults: list[Fault] = field(default_factory=list)
     rates: dict = field(default_factory=dict)
     latency: tuple[float, float] = (0.0002, 0.003)
+    model: NetModel | str = "zmq"  # the transport whose guarantees it models (dst.guarantees)
 
     def __post_init__(self):
+        self.model = net_model(self.model)
+        self.reading: Envelope | None = None  # the message being delivered (its late_read fault)
+        self._conn_incarnation: dict[tuple[bytes, str], int] = {}  # (conn, dst) -> dst's when opened
         self.rng = random.Random(self.seed)
         self.conn_ids = itertools.count(1)  # connection names, per world (a replay names them alike)
         self.choose_faults = None  # the explorer's hook: (send ordinal, KV message?) -> faults to apply
@@ -72,7 +81,7 @@ class Network:
         self._by_at: dict[int, list[Fault]] = {}
         for f in self.faults:
             self._by_at.setdefault(f.at, []).append(f)
-        self._link_last: dict[tuple[str, str], float] = {}
+        self._link_last: dict[tuple[str, str, bytes], float] = {}
         self._cut: set[bytes] = set()
         self.fired: list[Fault] = []
         self.trace: list[str] = []
@@ -89,14 +98,19 @@ class Network:
                 faults.append(Fault(self.sent, kind, self.fault_rng.randrange(1 << 16)))
         if self.choose_faults is not None:
             faults += self.choose_faults(self.sent, bool(conn))
+        reply = bool(conn) and conn.partition(b"#")[0].decode() != src  # a receiver's answer
+        reads = bool(conn) and not reply and payload[0][:1] in (b"P", b"K")  # the receiver reads a pool
+        faults = [f for f in faults if self.model.admits(f.kind, bool(conn), reply, reads)]
         kinds = {f.kind: f for f in faults if f.kind in MESSAGE_FAULTS}
-        if not conn:  # a command or an event: a Ray call, delivered in order, only ever late
-            kinds = {k: f for k, f in kinds.items() if k == "delay"}
         for f in faults:
             self.fired.append(f)
         if conn and conn in self._cut:
             return
+        if conn and not self._reaches(conn, dst):
+            return  # a connection to a process that is gone: the new one listens elsewhere
         env = Envelope(self.sent, src, dst, conn, payload)
+        if "late_read" in kinds:
+            env.late_read = kinds["late_read"].arg
         if "cut" in kinds and conn:
             self._cut.add(conn)
             return
@@ -107,7 +121,8 @@ class Network:
             extra = 0.0
             if "delay" in kinds or "reorder" in kinds:
                 extra = 0.05 + (kinds.get("delay") or kinds["reorder"]).arg % 2000 / 1000
-            self._schedule(env, extra, held="reorder" in kinds)
+            unordered = bool(conn) and not self.model.ordered
+            self._schedule(env, extra, held="reorder" in kinds or unordered)
             if "dup" in kinds:  # a corrupt fault on a duplicated message hits the copy
                 body = _corrupt(payload, corrupt.arg) if corrupt else payload
                 copy = Envelope(self.sent, src, dst, conn, body)
@@ -116,8 +131,16 @@ class Network:
             if f.kind not in MESSAGE_FAULTS and self.on_world_fault is not None:
                 self._push(Event(self.now, -1.0, 0, WORLD, None, lambda f=f: self.on_world_fault(f)))
 
+    def _reaches(self, conn: bytes, dst: str) -> bool:
+        """Whether a message on `conn` reaches `dst`: always under `restarts` (the same name);
+        otherwise only the incarnation of `dst` that was there when the connection was opened."""
+        node = self.nodes.get(dst)
+        incarnation = getattr(node, "incarnation", None)
+        opened = self._conn_incarnation.setdefault((conn, dst), incarnation)
+        return self.model.restarts or opened == incarnation
+
     def _schedule(self, env: Envelope, extra: float, held: bool) -> None:
-        link = (env.src, env.dst)
+        link = (env.src, env.dst, env.conn)  # a caller: one connection, or the control plane's link
         at = self.now + self.rng.uniform(*self.latency) + extra
         if not held:  # in order on its link: never before the last message sent on it
             at = max(at, self._link_last.get(link, -1.0) + 1e-7)
@@ -161,7 +184,11 @@ class Network:
         if ev.envelope is None:
             ev.run()
         else:
-            node.on_message(ev.envelope)
+            self.reading = ev.envelope
+            try:
+                node.on_message(ev.envelope)
+            finally:
+                self.reading = None
 
 
 def _corrupt(payload, arg: int):

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from dst.faults import Fault, format_schedule
+from dst.guarantees import NetModel, net_model
 from dst.mutants import mutant
 from dst.workers import Violation
 from dst.world import World
@@ -74,9 +75,12 @@ def shrink(seed: int, faults: list[Fault], mutant_name: str | None = None, **wor
     return current
 
 
-def replay_command(seed: int, faults: list[Fault], mutant_name: str | None = None, **world) -> str:
-    """The one line that replays this run exactly (world: the non-default shape it ran with)."""
+def replay_command(seed: int, faults: list[Fault], mutant_name: str | None = None, *,
+                   transport: str | NetModel = "zmq", **world) -> str:
+    """The one line that replays this run exactly: under the same transport's guarantees (always
+    named), with `world` the non-default shape it ran with."""
     cmd = f"pdserve bench sim --seed {seed} --faults '{format_schedule(faults)}'"
+    cmd += f" --transport {net_model(transport).transport}"
     for key, value in world.items():
         cmd += f" --{key} {value}"
     return cmd + (f" --mutant {mutant_name}" if mutant_name else "")

@@ -8,6 +8,7 @@ import random
 
 from dst.coordinator import SimCoordinator
 from dst.faults import Fault, draw_rates
+from dst.guarantees import NetModel, net_model
 from dst.invariants import WriteWatch, check_coordinator, check_end, check_pool
 from dst.net import WORLD, Network
 from dst.workers import DecodeWorker, PrefillWorker, SimConfig, Violation
@@ -28,15 +29,22 @@ def transport_config() -> TransportConfig:
 
 class World:
     def __init__(self, seed: int, faults: list[Fault] | None = None, *, cfg: SimConfig | None = None,
-                 requests: int | None = None, pull: bool | None = None, stage: bool | None = None):
+                 requests: int | None = None, pull: bool | None = None, stage: bool | None = None,
+                 transport: str | NetModel = "zmq"):
         """faults: the schedule to replay (None: drawn from the seed's rates as it runs; either way
-        `faults` is the schedule that fired)."""
+        `faults` is the schedule that fired). transport: whose declared guarantees the network and
+        the faults model (`dst.guarantees`); a scheduled fault it does not allow is a ValueError."""
         self.seed, self.cfg = seed, cfg or SimConfig()
+        self.model = model = net_model(transport)
+        bad = sorted({f.kind for f in faults or ()} - set(model.kinds))
+        if bad:
+            raise ValueError(f"transport {model.transport!r} does not allow the faults {', '.join(bad)} "
+                             f"(its faults: {', '.join(model.kinds)})")
         register_source("sim", "dst.channel:SimSource")  # the pool reader of this world's pull offers
         rng = random.Random(seed ^ 0x5EED)
-        rates = draw_rates(rng)
-        self.net = Network(seed, sorted(faults or ()), rates if faults is None else {})
-        drawn = rng.random() < 0.5
+        rates = draw_rates(rng, model.kinds)
+        self.net = Network(seed, sorted(faults or ()), rates if faults is None else {}, model=model)
+        drawn = rng.random() < 0.5 and model.pulls  # pushed bytes unless the transport reads one-sided
         self.net.pull = drawn if pull is None else pull  # prefill workers offer their pool to read from
         drawn = rng.random() < 0.5  # decode workers land payloads through staging (a device pool's way)
         self.net.stage = drawn if stage is None else stage

@@ -3,7 +3,9 @@ ledger (dst): many seeds, each a whole cluster in one process on a virtual clock
 from the seed, invariants checked after every step. A failing seed is shrunk to a minimal fault
 schedule and printed as the one command that replays it. `--seed S --faults ...` replays one run;
 `--mutant NAME` puts a known bug back (dst.mutants) to show it is found; `--exhaustive` enumerates
-every delivery order and fault placement of a small case (dst.explore). Exit status 1 on a
+every delivery order and fault placement of a small case (dst.explore). `--transport NAME` (default
+zmq) models that transport's declared delivery guarantees (transfer.registry; dst.guarantees): the
+network and the faults drawn are what it allows, and the replay line names it. Exit status 1 on a
 broken invariant."""
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, help="run this one seed (with --faults: replay that schedule)")
     p.add_argument("--faults", help="the fault schedule to replay, as printed (at:kind:arg,...)")
     p.add_argument("--mutant", help="put this known bug back for the run (see dst.mutants)")
+    p.add_argument("--transport", default="zmq",
+                   help="model this registered transport's declared guarantees (zmq, ray, nixl, or a "
+                        "'module:attr' path; default zmq)")
     p.add_argument("--prefills", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decodes", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--requests", type=int, help="requests per seed (default: 1-3, drawn)")
@@ -37,11 +42,17 @@ def add_arguments(p) -> None:
 def run(args) -> int:
 
     from dst.faults import format_schedule, parse_schedule
+    from dst.guarantees import net_model
     from dst.mutants import mutant
     from dst.run import replay_command, run_seed, run_seeds, shrink
     from dst.workers import SimConfig
 
-    world = {"cfg": SimConfig(prefills=args.prefills, decodes=args.decodes)}
+    try:
+        model = net_model(args.transport)
+    except ValueError as e:
+        print(f"--transport: {e}")
+        return 2
+    world = {"cfg": SimConfig(prefills=args.prefills, decodes=args.decodes), "transport": model}
     shape = {k: v for k, v in (("prefills", args.prefills), ("decodes", args.decodes)) if v != 1}
     if args.requests is not None:
         world["requests"] = shape["requests"] = args.requests
@@ -50,8 +61,8 @@ def run(args) -> int:
 
         kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
         report = explore(requests=args.requests or 1, max_faults=args.max_faults, kinds=kinds,
-                         max_messages=args.max_messages, mutant_name=args.mutant, stage=not args.no_stage,
-                         time_limit_s=args.time_limit)
+                         transport=model, max_messages=args.max_messages, mutant_name=args.mutant,
+                         stage=not args.no_stage, time_limit_s=args.time_limit)
         print(f"exhaustive: {report['runs']} runs, {report['states']} distinct states, "
               f"{report['seconds']:.1f} s, {'complete' if report['complete'] else 'NOT complete'}, "
               f"violation: {report['violation'] or 'none'}")
@@ -59,23 +70,28 @@ def run(args) -> int:
     if args.seed is not None:
         faults = parse_schedule(args.faults) if args.faults is not None else None
         with mutant(args.mutant):
-            out = run_seed(args.seed, faults, **world)
+            try:
+                out = run_seed(args.seed, faults, **world)
+            except ValueError as e:  # a scheduled fault the transport does not allow
+                print(e)
+                return 2
         print(f"seed {out.seed}: {out.steps} steps, {out.answered} answered, {out.failed} failed, "
               f"faults {format_schedule(out.faults) or 'none'}")
         print(f"violation: {out.violation}" if out.violation else "no invariant broken")
         return 1 if out.violation else 0
     report = run_seeds(args.first, args.seeds, mutant_name=args.mutant, stop_at_first=not args.all, **world)
     rate = report["seeds"] / max(report["seconds"], 1e-9)
-    print(f"{report['seeds']} seeds in {report['seconds']:.1f} s ({rate:.0f} seeds/s): "
+    print(f"{model.transport}: {report['seeds']} seeds in {report['seconds']:.1f} s ({rate:.0f} seeds/s): "
           f"{report['answered']} requests answered, {report['failed']} failed, {report['faults']} faults, "
           f"{len(report['failures'])} broken invariants")
     failures = []
     for out in report["failures"][:5]:
         faults = out.faults if args.no_shrink else shrink(out.seed, out.faults, args.mutant, **world)
-        cmd = replay_command(out.seed, faults, args.mutant, **shape)
+        cmd = replay_command(out.seed, faults, args.mutant, transport=model, **shape)
         print(f"  seed {out.seed}: {out.violation}\n    replay: {cmd}")
         failures.append({"seed": out.seed, "violation": out.violation, "replay": cmd})
-    report = {**report, "failures": failures, "seeds_per_s": rate}
+    report = {**report, "failures": failures, "seeds_per_s": rate, "transport": model.transport,
+              "fault_kinds": list(model.kinds)}
     return _write(args, report, 1 if failures else 0)
 
 
