@@ -120,13 +120,13 @@ class SimSource:
     A message carrying a `late_read` fault (`dst.guarantees`) makes the read it starts miss its
     bound: TransferTimeout, so the receiver fails the transfer and frees its blocks. Under a
     transport whose issued reads cannot be cancelled, the bytes still land later (a timer on the
-    reading worker) unless the source is closed first - which it does itself before raising, as
-    `transfer.nixl_channel.NixlSource` does (`stops_late_reads`). A closed source reads nothing
-    more: TransportClosed, as a closed NIXL agent's reads."""
+    reading worker) unless the source is closed first: `transfer.pull.PoolReader` closes a source
+    whose read failed before the receiver frees the blocks (this source does not close itself, so
+    the reader's close is what is tested). A closed source reads nothing more: TransportClosed, as a
+    closed NIXL agent's reads; the reader opens a new one for the connection's next transfer."""
 
     hashes = True
     workers: dict = {}  # name -> the live prefill worker (set by the world)
-    stops_late_reads = True  # closes itself before a late read's TransferTimeout is raised
 
     def __init__(self, blob: bytes, storage=None, host: str = ""):
         name, _, inc = bytes(blob).decode("utf-8", "replace").rpartition(":")
@@ -168,8 +168,6 @@ class SimSource:
                 for offset, bufs in items:
                     copy_hashed(bufs, base[offset:offset + sum(b.nbytes for b in bufs)])
         self.net.timer(self.reader, self.net.now + 0.001 + arg % 500 / 1000, land)
-        if self.stops_late_reads:
-            self.close()
 
     def close(self) -> None:
         self.closed = True

@@ -16,9 +16,9 @@ Our own, in the protocol's riskiest branches:
 - `abort_keeps_reused`: an aborted import returns its fresh blocks but not the cached prefix blocks
   it took a reference on (dedupe).
 Of a transport's declared guarantees (`dst.guarantees`):
-- `late_read_lands`: a pool reader whose issued reads cannot be cancelled does not stop a read that
-  missed its bound before the receiver frees the blocks it reads into (what the close in
-  `transfer.nixl_channel.NixlSource.read_many` prevents): its bytes land in freed blocks.
+- `late_read_lands`: a connection's pool reader (`transfer.pull.PoolReader`) forgets a source whose
+  read missed its bound without closing it, under a transport whose issued reads cannot be
+  cancelled: the read's bytes land in the blocks the receiver freed.
 """
 
 from __future__ import annotations
@@ -116,9 +116,18 @@ def _abort_keeps_reused():
 
 
 def _late_read_lands():
-    from dst.channel import SimSource
+    from transfer.errors import TransferError
+    from transfer.pull import PoolReader
 
-    return SimSource, "stops_late_reads", False
+    def read_many(self, items, threads: int = 1):
+        if self.source is None:
+            self.source = self._open()
+        try:
+            return self.source.read_many(items, threads)
+        except TransferError:
+            self.source = None  # forgotten, not closed: its issued read still lands
+            raise
+    return PoolReader, "read_many", read_many
 
 
 MUTANTS = {"late_migrated": _late_migrated, "late_submit": _late_submit, "reoffer": _reoffer,

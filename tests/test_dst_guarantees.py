@@ -130,3 +130,17 @@ def test_a_late_read_lands_where_reads_cannot_be_cancelled_and_the_replay_names_
     argv[argv.index("nixl")] = "zmq"
     assert main(argv) == 2  # zmq does not allow late_read: not silently replayed without it
     assert replay_command(3, []).endswith("--transport zmq")  # the default is named too
+
+
+def test_a_failed_pool_read_does_not_poison_the_connections_later_transfers():
+    # found by the simulator: one nixl read past its bound closed the connection's pool reader, and
+    # every later pulled transfer on that connection failed on the closed reader (TransportClosed)
+    # until a timeout reset the connection. transfer.pull.PoolReader opens a new one instead
+    from dst.faults import parse_schedule
+
+    faults = parse_schedule("13:late_read:4944")
+    out = run_seed(70, faults, transport="nixl", requests=3)
+    assert out.violation is None
+    assert (out.answered, out.failed) == (2, 1), out  # only the request whose read was late fails
+    clean = run_seed(70, [], transport="nixl", requests=3)
+    assert (clean.answered, clean.failed) == (3, 0)

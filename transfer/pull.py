@@ -33,7 +33,7 @@ from transfer.checksum import (
     total_bytes,
     worker_pool,
 )
-from transfer.errors import FrameCountError, MalformedMessage
+from transfer.errors import FrameCountError, MalformedMessage, TransferError
 from transfer.registry import source_opener
 from transfer.wire_messages import PoolOffer
 
@@ -42,14 +42,40 @@ from transfer.wire_messages import PoolOffer
 # threads) -> per item, the xxh3-64 of what landed when the source hashed while copying, else None
 
 
-def open_source(offer: PoolOffer, storage, host: str = ""):
-    """The source for `offer` on this receiver (its pool: `storage`; `host`: its address in the
+def open_source(offer: PoolOffer, storage, host: str = "") -> PoolReader:
+    """The reader of `offer` on this receiver (its pool: `storage`; `host`: its address in the
     cluster, for a way that listens on the network); MalformedMessage when the way is unknown here
     or the offer cannot be opened (another node's file, a garbled blob)."""
     opener = source_opener(offer.kind)
     if opener is None:
         raise MalformedMessage(f"no pool reader {offer.kind[:16]!r} here")
-    return opener(offer.blob, storage, host)
+    return PoolReader(lambda: opener(offer.blob, storage, host))
+
+
+class PoolReader:
+    """A connection's reader of an offered pool: the way's source, opened again after a read that
+    failed. A read that fails closes its source (a NIXL agent closes itself before raising, so that
+    a late byte of an issued read cannot land in the blocks the failure frees); the next transfer
+    on the connection reads through a new one instead of failing on the closed one."""
+
+    def __init__(self, open_source):
+        self._open = open_source
+        self.source = open_source()
+        self.hashes = self.source.hashes
+
+    def read_many(self, items, threads: int = 1) -> list:
+        if self.source is None:
+            self.source = self._open()
+        try:
+            return self.source.read_many(items, threads)
+        except TransferError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        source, self.source = self.source, None
+        if source is not None:
+            source.close()
 
 
 def drop_source(owner) -> None:
