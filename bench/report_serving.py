@@ -122,6 +122,38 @@ def table(runs: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _at(record: dict, label: str, rate: float) -> str:
+    """'TTFT p50/p99 s, TPOT p50/p99 ms' of setup `label`'s run at `rate` ('-' if it ran none there)."""
+    run = next((r for r in record.get("runs", []) if r.get("label") == label
+                and abs(r["rate"] - rate) <= 1e-9 * max(1.0, rate)), None)
+    if run is None:
+        return "-"
+    t, p = run["ttft_ms"], run["tpot_ms"]
+    if t.get("p50") is None or p.get("p50") is None:
+        return "-"
+    return f"{t['p50'] / 1e3:.2f}/{t['p99'] / 1e3:.2f} s, {p['p50']:.0f}/{p['p99']:.0f} ms"
+
+
+def saturation(runs: dict[str, dict]) -> list[str]:
+    """Per workload: TTFT and TPOT p50/p99 of each kind's best setup at the rate where the best
+    configuration saturates (the lowest rate it failed above its goodput), where they ran it."""
+    rows = studies(runs)
+    if not rows:
+        return []
+    lines = ["| workload | best | saturates at (req/s) | colocated TTFT p50/p99, TPOT p50/p99 | 1P+1D "
+             "| per-request |", "|---|---|---|---|---|---|"]
+    for name, record, _ in rows:
+        m = measured(record)
+        if not m:
+            continue
+        top = max(m, key=lambda k: m[k]["goodput_req_s"])
+        rate = m[top]["bracket"][1] if m[top].get("bracket") else None
+        cells = [_at(record, m[k]["label"], rate) if k in m and rate is not None else "-" for k in KINDS]
+        lines.append(f"| {name} | {m[top]['label']} | {'-' if rate is None else f'{rate:.3g}'} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def best_measured(m: dict[str, dict]) -> str:
     """The kind with the highest goodput, and every kind whose interval overlaps it (a tie)."""
     from measure.serve_goodput import tie

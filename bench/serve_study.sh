@@ -8,6 +8,7 @@
 #     4 steps, colocated at chunk budgets 128 and 512, 1P+1D streamed, per-request: 4 setups); about
 #     1.5 h on 2 quiet cores.
 #   SIZE=full: 80 requests per step, 5 steps, colocated at 128/256/512 (5 setups); about 3-5 h.
+#   SERVE_ARGS: more `bench serve` flags for every workload (e.g. "--search-steps 3").
 # Run it on a quiet machine: nothing else computing, or every figure is the other work's.
 set -euo pipefail
 OUT=${1:-out/study}
@@ -37,8 +38,9 @@ for w in $WORKLOADS; do
     load=(--preset "$w")
   fi
   if [ ! -f "$OUT/serve-$w.json" ]; then
-    log "bench serve $w ($SIZE)"
-    "$PDSERVE" bench serve "${COMMON[@]}" "${load[@]}" --json "$OUT/serve-$w.json" \
+    log "bench serve $w ($SIZE${SERVE_ARGS:+, $SERVE_ARGS})"
+    # shellcheck disable=SC2086
+    "$PDSERVE" bench serve "${COMMON[@]}" ${SERVE_ARGS:-} "${load[@]}" --json "$OUT/serve-$w.json" \
       --plot "$OUT/serve-$w.png" > "$OUT/serve-$w.log" 2>&1 || log "bench serve $w exited $? (see $OUT/serve-$w.log)"
   fi
   # the plan holds the configurations to the SLOs bench serve measured (its slo), not its own scaling

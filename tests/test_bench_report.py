@@ -57,7 +57,7 @@ def test_cli_writes_then_checks(tmp_path, capsys):
 
 
 def _goodput(g: float, lo: float, hi: float | None) -> dict:
-    return {"goodput_req_s": g, "ci": [lo, hi]}
+    return {"goodput_req_s": g, "ci": [lo, hi], "bracket": [g, hi]}
 
 
 def _serve(preset: str, colo: dict, disagg: dict, auto: dict) -> dict:
@@ -84,13 +84,18 @@ def test_the_serving_study_pairs_each_workload_with_its_plan(tmp_path):
     (folder / "plan-long-prompt-long-output.json").write_text(json.dumps(_plan(0.2, 0.4, 0.4, "1P+1D")))
     (folder / "serve-mixed.json").write_text(json.dumps(_serve(
         "mixed", _goodput(1.0, 0.8, 1.5), _goodput(0.5, 0.4, 0.7), _goodput(0.9, 0.8, 1.2))))
+    record = json.loads((folder / "serve-long-prompt-long-output.json").read_text())
+    record["runs"] = [{"label": "disaggregated", "rate": 0.6, "ttft_ms": {"p50": 2500.0, "p99": 9000.0},
+                       "tpot_ms": {"p50": 24.0, "p99": 41.0}}]  # where the best (1P+1D) saturates
+    (folder / "serve-long-prompt-long-output.json").write_text(json.dumps(record))
     out = tmp_path / "results.md"
     args = ["bench", "report", "--results", str(tmp_path / "results"), "--out", str(out)]
     assert main(args) == 0
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith(("| long-prompt", "| mixed"))]
-    assert len(rows) == 2, text
-    llo, mixed = rows
+    assert len(rows) == 4, text  # the goodput table's two rows, then the latency table's
+    llo, mixed, llo_at, _ = rows
+    assert llo_at == "| long-prompt-long-output | disaggregated | 0.6 | - | 2.50/9.00 s, 24/41 ms | - |"
     # the best colocated budget is the baseline; 1P+1D separated from it, per-request tied with 1P+1D
     assert "0.20 [0.10–0.25] (colocated-128)" in llo and "| 2.00x |" in llo and "| 0.87x (tie) |" in llo
     assert "| 0.2% |" in llo
