@@ -143,7 +143,10 @@ def interval(flags_at: dict[float, list[bool]], goodput: float, cfg: SearchConfi
 
 
 def tie(a: list, b: list) -> bool:
-    """Whether two goodput intervals ([low, high], high None: unbounded) overlap."""
+    """Whether two goodput intervals ([low, high], high None: unbounded) overlap. An interval's low
+    end is a rate that surely passed and its high end one that surely failed, so the goodput lies in
+    [low, high): two intervals that only touch (one's low end is the other's high end: at that rate
+    one surely passed and the other surely failed) are separated, not a tie."""
     a_hi = math.inf if a[1] is None else a[1]
     b_hi = math.inf if b[1] is None else b[1]
-    return a[0] <= b_hi and b[0] <= a_hi
+    return a[0] < b_hi and b[0] < a_hi

@@ -62,6 +62,8 @@ def test_attainment_near_the_target_widens_the_interval():
     assert r["goodput_req_s"] == 2.0 and r["bracket"] == [2.0, 3.0]
     assert r["ci"] == [1.0, 4.0]  # 3.0 (85%) may still pass at 95%; 4.0 (25%) surely fails
     assert sg.tie([1.0, 4.0], [3.5, None]) and not sg.tie([1.0, 2.0], [2.5, 3.0])
+    # touching ends: at 2.0 one surely passed and the other surely failed, so they are separated
+    assert not sg.tie([2.0, 4.0], [1.0, 2.0]) and sg.tie([0.0, 2.0], [0.0, 4.0])
 
 
 def test_non_monotonic_attainment_is_flagged():
