@@ -266,8 +266,9 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
                       "Goodput in req/s [95% interval] at >= 90% of requests within both SLOs; a ratio's "
                       "\"(tie)\" means the intervals overlap. How to read it: "
                       "[benchmarks-serving.md](benchmarks-serving.md).", "", *study, "",
-                      "Latency at the rate where the best configuration saturates (each kind's best setup, "
-                      "where it ran that rate):", "", *report_serving.saturation(runs), ""]
+                      "Latency at the rate where the best configuration saturates (each kind's best setup; "
+                      "where it did not run that rate, its nearest one):", "",
+                      *report_serving.saturation(runs), ""]
             if (results_dir / machine / report_serving.PLOT).exists():
                 lines += [f"![goodput per workload](results/{machine}/{report_serving.PLOT})", ""]
             lines += [files, ""]

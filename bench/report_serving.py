@@ -123,20 +123,25 @@ def table(runs: dict[str, dict]) -> list[str]:
 
 
 def _at(record: dict, label: str, rate: float) -> str:
-    """'TTFT p50/p99 s, TPOT p50/p99 ms' of setup `label`'s run at `rate` ('-' if it ran none there)."""
-    run = next((r for r in record.get("runs", []) if r.get("label") == label
-                and abs(r["rate"] - rate) <= 1e-9 * max(1.0, rate)), None)
-    if run is None:
+    """'TTFT p50/p99 s, TPOT p50/p99 ms' of setup `label`'s run nearest `rate` (its rate named when
+    it is not `rate`; '-' if it ran none)."""
+    import math
+
+    ran = [r for r in record.get("runs", []) if r.get("label") == label and r.get("rate")]
+    if not ran:
         return "-"
+    run = min(ran, key=lambda r: abs(math.log(r["rate"] / rate)))
     t, p = run["ttft_ms"], run["tpot_ms"]
     if t.get("p50") is None or p.get("p50") is None:
         return "-"
-    return f"{t['p50'] / 1e3:.2f}/{t['p99'] / 1e3:.2f} s, {p['p50']:.0f}/{p['p99']:.0f} ms"
+    where = "" if abs(run["rate"] - rate) <= 1e-9 * max(1.0, rate) else f" (at {run['rate']:.3g})"
+    return f"{t['p50'] / 1e3:.2f}/{t['p99'] / 1e3:.2f} s, {p['p50']:.0f}/{p['p99']:.0f} ms{where}"
 
 
 def saturation(runs: dict[str, dict]) -> list[str]:
     """Per workload: TTFT and TPOT p50/p99 of each kind's best setup at the rate where the best
-    configuration saturates (the lowest rate it failed above its goodput), where they ran it."""
+    configuration saturates (the lowest rate it failed above its goodput), or at the nearest rate
+    that setup ran."""
     rows = studies(runs)
     if not rows:
         return []

@@ -96,6 +96,11 @@ def test_the_serving_study_pairs_each_workload_with_its_plan(tmp_path):
     assert len(rows) == 4, text  # the goodput table's two rows, then the latency table's
     llo, mixed, llo_at, _ = rows
     assert llo_at == "| long-prompt-long-output | disaggregated | 0.6 | - | 2.50/9.00 s, 24/41 ms | - |"
+    record["runs"].append({"label": "colocated-128", "rate": 0.3, "ttft_ms": {"p50": 900.0, "p99": 3000.0},
+                           "tpot_ms": {"p50": 30.0, "p99": 90.0}})
+    (folder / "serve-long-prompt-long-output.json").write_text(json.dumps(record))
+    assert main(args) == 0
+    assert "| 0.6 | 0.90/3.00 s, 30/90 ms (at 0.3) | 2.50/9.00 s, 24/41 ms | - |" in out.read_text()
     # the best colocated budget is the baseline; 1P+1D separated from it, per-request tied with 1P+1D
     assert "0.20 [0.10–0.25] (colocated-128)" in llo and "| 2.00x |" in llo and "| 0.87x (tie) |" in llo
     assert "| 0.2% |" in llo
