@@ -5,7 +5,7 @@ registry alone, by passing the channel conformance suite (test_channel_conforman
 
 It carries the Ray channel's call shape without Ray: a flush of the sender's queued messages is
 one call, `deliver(conn, headers, bodies)` on the receiver endpoint (a
-`transfer.ray_transport.RayReceiverEndpoint`, which serves it inside its owner's `poll`), and the
+`transfer.channels.ray_receiver.RayReceiverEndpoint`, which serves it inside its owner's `poll`), and the
 call's future returns the receiver's answers. Receivers are found by name in this process
 (`_ENDPOINTS`); payload pieces are views of the sender's pool, leased until the ack.
 """
@@ -16,9 +16,9 @@ import concurrent.futures
 import dataclasses
 import time
 
+from transfer.channels.ray_channel import RayChannel, RayPipe
+from transfer.channels.ray_receiver import RayReceiverEndpoint
 from transfer.errors import TransportClosed
-from transfer.ray_channel import RayChannel, RayPipe
-from transfer.ray_transport import RayReceiverEndpoint
 from transfer.registry import Guarantees, Transport
 from transfer.session import SenderSession
 

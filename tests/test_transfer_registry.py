@@ -59,7 +59,7 @@ def test_registry_loads_without_torch():
 
 def test_pool_readers_are_declared_in_the_registry_without_import_side_effects():
     code = ("import sys, transfer.pull, transfer.registry as r; "
-            "print(r.source_ways(), 'transfer.nixl_channel' in sys.modules, r.source_opener('sim'))")
+            "print(r.source_ways(), 'transfer.channels.nixl' in sys.modules, r.source_opener('sim'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "('shm', 'nixl') False None"

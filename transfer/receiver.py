@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 from transfer.admission import OPEN, refused
+from transfer.channels.zmq_peers import Peer, PeerTable
 from transfer.epochs import EpochGuard
 from transfer.errors import (
     FrameCountError,
@@ -36,7 +37,6 @@ from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
 from transfer.wire_codec import decode, encode, unseal
 from transfer.wire_messages import Manifest, Nack
-from transfer.zmq_peers import Peer, PeerTable
 
 
 class Part:

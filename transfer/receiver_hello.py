@@ -11,8 +11,8 @@ dedupe query (`query`: answered only for an admitted request of the sender's). O
 from __future__ import annotations
 
 from transfer.admission import refused
+from transfer.channels.nixl_api import cluster_host
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
-from transfer.nixl_api import cluster_host
 from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
 from transfer.refusals import as_refusal

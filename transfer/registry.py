@@ -192,24 +192,26 @@ def validate(name: str) -> str:
 
 # ZeroMQ: each link (control DEALER, bulk link) delivers in order; a reply is lost with a broken link
 # or a sender's timeout; a restarted worker listens at a new address
-register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver",
+register(Transport("zmq", "transfer.channels.zmq_channel:make_sender",
+                   "transfer.channels.zmq_receiver:make_receiver",
                    guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
                                          restarts=False, one_sided_reads_are_events=False,
                                          issued_read_cancellable=True)))
 # Ray: calls from one caller arrive in order, a call can run while its reply is lost, actors restart;
 # a same-node receiver reads the sender's /dev/shm pool (a read, not a message; not cancellable)
-register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
+register(Transport("ray", "transfer.channels.ray_channel:make_sender",
+                   "transfer.channels.ray_receiver:make_receiver",
                    checksum_mode="manifest", engine_options={"kv_shm": True},
                    capabilities=Capabilities(same_node_pool=True),
                    guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
                                          restarts=True, one_sided_reads_are_events=True,
                                          issued_read_cancellable=False)))
 # NIXL: ZeroMQ's control; a READ is an event, and an issued READ cannot be cancelled (UCX)
-register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
+register(Transport("nixl", "transfer.channels.nixl:make_sender", "transfer.channels.nixl:make_receiver",
                    checksum_mode="manifest", capabilities=Capabilities(one_sided=True),
                    guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
                                          restarts=False, one_sided_reads_are_events=True,
                                          issued_read_cancellable=False)))
 
 register_source("shm", "transfer.pull:ShmSource")
-register_source("nixl", "transfer.nixl_channel:NixlSource")
+register_source("nixl", "transfer.channels.nixl:NixlSource")

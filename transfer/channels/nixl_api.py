@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 
-from transfer.bulk_wire import parse_address
+from transfer.channels.bulk_wire import parse_address
 
 INSTALL_HINT = "pip install 'pdserve[nixl]'  (on CPU: pip install --no-deps nixl nixl-cu12)"
 

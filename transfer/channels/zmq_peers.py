@@ -22,8 +22,8 @@ from collections import OrderedDict
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from transfer.channels.zmq_handshake import describe
 from transfer.pull import drop_source
-from transfer.zmq_handshake import describe
 
 MAX_PEERS = 4096      # connections with a completed handshake whose state is kept
 MAX_STRANGERS = 1024  # connections without one

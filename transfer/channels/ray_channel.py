@@ -22,11 +22,11 @@ import uuid
 import msgpack
 import numpy as np
 
+from transfer.channels.zmq_channel import ZmqChannel
 from transfer.errors import MalformedMessage, TransferTimeout
 from transfer.pull import shm_advert
 from transfer.session import SenderSession
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqChannel
 
 MAX_REPLIES = 4096
 # each payload chunk is one object-store argument of the call: fewer, larger ones cost less per byte

@@ -4,7 +4,7 @@ in the reserved blocks from the bulk link's reader threads (`bulk_receiver`) or,
 ones and data_plane "zmq", from this socket. A failed transfer is aborted (reservation
 released), nacked, counted, and its error raised from `poll`. A peer without a completed
 handshake gets nothing but its hello read, and its connection is closed after `preauth_s`
-(`transfer.zmq_peers`). With a cluster secret the socket is a CURVE server that admits only the
+(`transfer.channels.zmq_peers`). With a cluster secret the socket is a CURVE server that admits only the
 key pair derived from it (`protocol.curve.kv_keys`): a peer without the secret never completes
 the ZeroMQ handshake, so libzmq drops it after its 64-byte greeting (or its first handshake
 command) and never buffers a message of its, however many frames it announces (issue 49).
@@ -21,15 +21,15 @@ import time
 import zmq
 
 from protocol.curve import kv_keys, serve_curve
-from transfer.bulk_receiver import BulkListener
-from transfer.bulk_wire import parse_address
+from transfer.channels.bulk_receiver import BulkListener
+from transfer.channels.bulk_wire import parse_address
+from transfer.channels.zmq_peers import IdleConnections
 from transfer.importer import ImportResult
 from transfer.receiver import MessageReceiver
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
 from transfer.wire import bind_address
-from transfer.zmq_peers import IdleConnections
 
 
 class ZmqReceiver(MessageReceiver):

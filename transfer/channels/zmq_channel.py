@@ -21,8 +21,9 @@ import time
 
 import zmq
 
-from transfer.bulk_sender import FALLBACKS, OPEN_SLACK_S, BulkLink
-from transfer.bulk_wire import parse_address
+from transfer.channels.bulk_sender import FALLBACKS, OPEN_SLACK_S, BulkLink
+from transfer.channels.bulk_wire import parse_address
+from transfer.channels.zmq_handshake import HandshakeWatch, client_keys
 from transfer.errors import TransferError, TransferTimeout, TransportClosed, Unauthenticated
 from transfer.pull import encode_offsets, shm_advert
 from transfer.session import SenderSession
@@ -30,7 +31,6 @@ from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
 from transfer.wire_codec import decode, encode
 from transfer.wire_messages import Nack, PoolReply
-from transfer.zmq_handshake import HandshakeWatch, client_keys
 
 # payload messages up to this size are copied into ZeroMQ's own buffer when sent (pyzmq's default:
 # 64 KiB, so a 64 KiB chunk went zero-copy); `python -m bench.small_move`

@@ -34,9 +34,9 @@ import msgpack
 import numpy as np
 import torch
 
+from transfer.channels.nixl_api import NixlUnavailable, cluster_host
+from transfer.channels.nixl_pool import NixlAgent, Region
 from transfer.errors import MalformedMessage, TransferError
-from transfer.nixl_api import NixlUnavailable, cluster_host
-from transfer.nixl_pool import NixlAgent, Region
 from transfer.wire_messages import PoolOffer
 
 READ_TIMEOUT_S = 30.0  # the longest one READ (a whole payload, at most) may take before the transfer fails
@@ -166,7 +166,7 @@ class NixlSource:
 # ---- the registry's factories (transfer.registry) -------------------------------------------------------
 def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
     """A ZeroMQ sender session whose pool (`pool`, the worker's KVStorage) is offered over NIXL."""
-    from transfer.zmq_channel import ZmqSender
+    from transfer.channels.zmq_channel import ZmqSender
 
     if pool is None:
         raise ValueError("the nixl transport needs the sending worker's pool")
@@ -176,7 +176,7 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
 
 def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
     """A ZeroMQ receiver; NIXL pool offers are read through `NixlSource` (the registry's "nixl" way)."""
-    from transfer.zmq_receiver import make_receiver as zmq_receiver
+    from transfer.channels.zmq_receiver import make_receiver as zmq_receiver
 
     # NixlUnavailable here, at start, rather than at the first offer
     NixlAgent(_name("probe"), cluster_host(config.address)).close()

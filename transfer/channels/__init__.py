@@ -1,0 +1,1 @@
+"""The transports (issue 53): each one's modules, moved here from transfer/."""
