@@ -127,11 +127,11 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
 
 def test_a_payload_up_to_inline_bytes_is_pushed_behind_its_manifest(monkeypatch):
     # one round trip: a pull would add the offsets, the checksums and a read
-    from transfer.channels import zmq_channel
+    from transfer.channels import message_channel
 
     src = _source()
     assert src.table("a").num_computed * LAYOUT.token_bytes <= 256 << 10
-    monkeypatch.setattr(zmq_channel, "_Pulled", lambda *a: pytest.fail("a small payload was pulled"))
+    monkeypatch.setattr(message_channel, "_Pulled", lambda *a: pytest.fail("a small payload was pulled"))
     with _linked(src, inline_bytes=256 << 10) as (served, tx):
         tx.connect()
         tx.migrate(src, "a", "r1", 1)

@@ -13,7 +13,6 @@ command) and never buffers a message of its, however many frames it announces (i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -22,14 +21,13 @@ import zmq
 
 from protocol.curve import kv_keys, serve_curve
 from transfer.channels.bulk_receiver import BulkListener
-from transfer.channels.bulk_wire import parse_address
 from transfer.channels.zmq_peers import IdleConnections
 from transfer.importer import ImportResult
 from transfer.receiver import MessageReceiver
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
-from transfer.wire import bind_address
+from transfer.wire import bind_address, parse_address
 
 
 class ZmqReceiver(MessageReceiver):
@@ -166,17 +164,3 @@ class ZmqParts:
             self.sock.recv(copy=False)
             n += 1
         return n
-
-
-def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> ZmqReceiver:
-    """The registry's factory: a receiver on the first free port of [port_min, port_max] (any port when 0)."""
-    if not port_min:
-        return ZmqReceiver(manager, config, admission=admission)
-    host = config.address.rsplit(":", 1)[0]
-    for port in range(port_min, max(port_min, port_max) + 1):
-        try:
-            where = dataclasses.replace(config, address=f"{host}:{port}")
-            return ZmqReceiver(manager, where, admission=admission)
-        except zmq.ZMQError:  # taken: the next one
-            continue
-    raise RuntimeError(f"no free KV receiver port in {port_min}..{port_max}")
