@@ -180,3 +180,20 @@ def test_the_zeromq_receiver_listens_in_its_options_port_range():
             assert first < port <= first + 40
         finally:
             rx.close()
+
+
+def test_the_workers_get_their_transports_options_from_the_cluster_config():
+    """coordinator.workers offers the cluster's settings; each transport's workers carry only its
+    own (validated by the worker configs against the entry)."""
+    from coordinator.config import ClusterConfig
+    from coordinator.workers import transport_options
+    from decode_worker.handler import DecodeWorkerConfig
+    from prefill_worker.handler import PrefillWorkerConfig
+
+    zmq = transport_options(ClusterConfig(transport="zmq", kv_port_min=7000, kv_port_max=7010), "pd-1")
+    ray = transport_options(ClusterConfig(transport="ray", kv_port_min=7000, kv_port_max=7010), "pd-1")
+    assert zmq == {"kv_port_min": 7000, "kv_port_max": 7010} and ray == {"namespace": "pd-1"}
+    DecodeWorkerConfig("d", "", transport="zmq", transport_options=zmq)
+    PrefillWorkerConfig("p", "", transport="ray", transport_options=ray)
+    with pytest.raises(ValueError, match="takes options"):
+        DecodeWorkerConfig("d", "", transport="zmq", transport_options=ray)
