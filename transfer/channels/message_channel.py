@@ -40,7 +40,9 @@ class MessageChannel:
         self.advert, self.pull = advert, False  # pull: the receiver reads our pool (it accepted the offer)
         self.offered = advert is None  # the pool was offered since the last handshake
         self.sock = None  # what carries the messages (`_open`)
-        self.bulk = None  # a side link for payloads, when the channel opened one (ZeroMQ's bulk link)
+        # a side link for payloads, when the channel opened one (ZeroMQ's bulk link): open, begin,
+        # send_chunks, end, close (`bulk_sender.BulkLink`); `open_bulk` opens it for a transfer
+        self.bulk = None
         self.connected = False  # a handshake answered on this pipe (a reset forgets it)
 
     def _open(self) -> None:
