@@ -6,7 +6,7 @@ requirements); on a CPU-only machine `pip install --no-deps nixl nixl-cu12` inst
 runs over host memory. `NixlBaseline` starts the target process and both agents once and
 measures any number of payload sizes with them (a fresh registered buffer on each side per size):
 creating a UCX agent costs about a second here, and the benchmark measures every size. The agents
-are made as the nixl channel makes them (`transfer.nixl_api._new_agent`): NIXL's own progress
+are made as the nixl channel makes them (`transfer.channels.nixl_api._new_agent`): NIXL's own progress
 thread spins a core per agent, which kept alive through the benchmark starved everything else. Timed per
 WRITE from `transfer` to DONE (handles are prepared untimed, as nixl users do); after the repeats
 the target's buffer is checked against the payload (xxh3), untimed; one word of the payload
@@ -32,8 +32,8 @@ import time
 import msgpack
 import torch
 
+from transfer.channels.nixl_api import _new_agent
 from transfer.checksum import checksum_many
-from transfer.nixl_api import _new_agent
 
 NIXL_INITIATOR, NIXL_TARGET = "pdserve-bench-initiator", "pdserve-bench-target"
 WAIT_S = 120  # bound on every answer of the target process

@@ -33,8 +33,8 @@ class _Served:
     """A ZmqReceiver polled on a thread; each committed import is freed and reported on `done`."""
 
     def __init__(self, manager) -> None:
+        from transfer.channels.zmq_receiver import ZmqReceiver
         from transfer.transport import TransportConfig
-        from transfer.zmq_receiver import ZmqReceiver
 
         self.manager, self.done, self.stop = manager, queue.Queue(), threading.Event()
         self.rx = ZmqReceiver(manager, TransportConfig(address="tcp://127.0.0.1:0"))
@@ -70,8 +70,8 @@ def migrate_pair(layout, src_block: int, dst_block: int, lengths: list[int], rep
     import torch
 
     from measure.pools import fill_random_sequence, make_manager
+    from transfer.channels.zmq_channel import ZmqSender
     from transfer.transport import TransportConfig
-    from transfer.zmq_channel import ZmqSender
 
     rng = random.Random(seed)
     src = make_manager(dataclasses.replace(layout, block_size=src_block),

@@ -182,7 +182,8 @@ def forged_import(t: Target) -> dict:
         config = TransportConfig(address=dw["address"], peer_name="prefill-0", connect_timeout_s=5,
                                  transfer_timeout_s=5, checksum_mode=transport.checksum_mode)
         sender = transport.make_sender(layout.fingerprint(), config, receiver=dw["name"],
-                                       namespace=cluster.namespace, pool=manager.storage)
+                                       options=transport.pick_options({"namespace": cluster.namespace}),
+                                       pool=manager.storage)
         try:
             if step == "handshake":
                 sender.connect()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from transfer.bulk_wire import CHUNK, END, XFER, XFER_MAGIC
+from transfer.channels.bulk_wire import CHUNK, END, XFER, XFER_MAGIC
 from transfer.wire import DATA, TOKEN
 from transfer.wire_codec import seal
 

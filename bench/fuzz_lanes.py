@@ -13,8 +13,8 @@ import time
 
 import msgpack
 
+from transfer.channels.zmq_handshake import client_keys
 from transfer.wire import TOKEN
-from transfer.zmq_handshake import client_keys
 
 
 def reply_code(body: bytes) -> str:
@@ -85,7 +85,7 @@ class Lane:
                 return out
 
     def open_stream(self, mode: str):
-        from transfer.bulk_wire import OPEN, OPEN_MAGIC
+        from transfer.channels.bulk_wire import OPEN, OPEN_MAGIC
 
         s = socket.create_connection((self.host, self.port), timeout=self.hang_s)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

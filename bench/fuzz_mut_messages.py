@@ -13,7 +13,7 @@ import time
 import msgpack
 
 from bench.fuzz_cases import Case, _d, mutate_bytes, mutate_wire, transfer_msgs
-from transfer.bulk_wire import END
+from transfer.channels.bulk_wire import END
 from transfer.checksum import checksum
 from transfer.wire import DATA, TOKEN
 

@@ -7,7 +7,7 @@ timeouts end them.
 from __future__ import annotations
 
 from bench.fuzz_cases import Case, manifest_body, mutate_bytes, stream_bytes, transfer_msgs
-from transfer.bulk_wire import XFER, XFER_MAGIC
+from transfer.channels.bulk_wire import XFER, XFER_MAGIC
 from transfer.wire import TOKEN
 from transfer.wire_codec import seal
 

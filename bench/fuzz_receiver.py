@@ -51,10 +51,10 @@ def receiver_main(conn, num_blocks: int, idle_timeout_s: float, seed: int, secre
 
     from kvcache.storage import KVLayout
     from measure.pools import fill_random_sequence, kv_digest, make_manager
+    from transfer.channels.zmq_receiver import ZmqReceiver
     from transfer.errors import TransferError
     from transfer.metrics import TransferMetrics
     from transfer.transport import TransportConfig
-    from transfer.zmq_receiver import ZmqReceiver
 
     faulthandler.enable()
     lock = threading.Lock()

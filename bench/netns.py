@@ -125,7 +125,7 @@ def run_bench(rates=("unlimited", "1gbit"), kv_shape: str = "llama3-8b", tokens=
         raise RuntimeError(why)
     import ray
 
-    from transfer.nixl_pool import available
+    from transfer.channels.nixl_pool import available
 
     # UCX (nixl) held to TCP here and in the node's processes, which inherit this environment: the
     # node shares this machine's PID and IPC namespaces, through which UCX would read the sender's

@@ -36,6 +36,8 @@ from kvcache.storage import KVLayout
 from measure.machine import describe
 from measure.pools import fill_random_sequence, make_manager, parse_kv_shape
 from measure.ray_receiver import release_import
+from transfer.channels.zmq_channel import ZmqChannel
+from transfer.channels.zmq_receiver import ZmqReceiver
 from transfer.checksum import checksum, copy_hashed
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession
@@ -44,8 +46,6 @@ from transfer.session import SenderSession
 from transfer.transport import TransportConfig
 from transfer.wire_codec import decode, encode, seal, unseal
 from transfer.wire_messages import Ack, Manifest
-from transfer.zmq_channel import ZmqChannel
-from transfer.zmq_receiver import ZmqReceiver
 
 
 def _manager(tokens: int, fill: bool):

@@ -1,6 +1,6 @@
 """`python -m bench.tcp_hash [--json F]`: what checksumming costs a TCP stream on this machine.
 
-The ZeroMQ bulk link (`transfer.bulk_wire`) is a raw TCP socket plus an xxh3 of every 2 MiB
+The ZeroMQ bulk link (`transfer.channels.bulk_wire`) is a raw TCP socket plus an xxh3 of every 2 MiB
 chunk on both ends: the sender hashes a chunk before sending it (the hash travels in the chunk's
 header), the receiver while it lands. This bench strips it down to that: two processes, 256 MiB
 sent in 2 MiB `sendall` calls into a pre-touched buffer, received in `--window` reads, with the

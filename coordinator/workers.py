@@ -232,6 +232,16 @@ def worker_cpu(c, slot: str) -> int | None:
     return c.pin_cpus[slots.index(slot) % len(c.pin_cpus)] if slot in slots else None
 
 
+def transport_options(c, namespace: str) -> dict:
+    """The cluster's settings its transport takes (`transfer.registry`: each transport's options
+    dataclass names its own; ZeroMQ's receiver ports, Ray's namespace), as the workers' configs carry
+    them."""
+    from transfer.registry import get as get_transport
+
+    offered = {"kv_port_min": c.kv_port_min, "kv_port_max": c.kv_port_max, "namespace": namespace}
+    return get_transport(c.transport).pick_options(offered)
+
+
 def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, generation: int = 0,
                  kv_host: str = "127.0.0.1", published: dict | None = None, keys=None) -> WorkerState:
     """One worker actor of `role` for slot `slot` ("decode-0"); a replacement (generation g > 0)
@@ -249,7 +259,8 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
               "torch_threads": worker_threads(c), "niceness": c.worker_niceness, "cpu": worker_cpu(c, slot)}
     resources = {}
     if role == "prefill":
-        config.update(transport=c.transport, namespace=namespace, stream_migration=c.stream_migration,
+        config.update(transport=c.transport, transport_options=transport_options(c, namespace),
+                      stream_migration=c.stream_migration,
                       transfer_timeout_s=max(1.0, 0.6 * c.heartbeat_timeout_s),
                       hold_s=c.reserve_wait_s + 2 * c.call_timeout_s)  # outlives a resend's reserve
         resources = c.prefill_resources
@@ -257,7 +268,7 @@ def spawn_worker(c, role: str, slot: str, events_address: str, namespace: str, g
         engine.update(model=c.decode_model or c.model, block_size=c.decode_block_size or c.block_size,
                       num_blocks=c.decode_num_blocks or c.num_blocks)
         config.update(transport=c.transport, kv_host=kv_host, reserve_ttl_s=c.event_timeout_s,
-                      kv_port_min=c.kv_port_min, kv_port_max=c.kv_port_max)
+                      transport_options=transport_options(c, namespace))
         resources = c.decode_resources
     config["engine"] = engine
     config.update(model_files=(published or {}).get(engine["model"]),

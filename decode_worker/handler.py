@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_worker.credits import Credits
 from protocol.messages import Abort, Imported, ImportRefused, Reply, RequestFailed, Reserve, Submit, Tokens
@@ -27,6 +27,7 @@ from protocol.sampling import SamplingParams
 from runtime.actor import QUEUE, WorkerConfig
 from runtime.holdings import blocks_by_request
 from runtime.local_requests import LocalRequests
+from transfer.channel import ReceiverEndpoint
 from transfer.errors import TransferError
 from transfer.metrics import DEFAULT_METRICS
 from transfer.registry import get as get_transport
@@ -42,14 +43,15 @@ class DecodeWorkerConfig(WorkerConfig):
     # interface the ZeroMQ receiver binds (port picked freely; a non-loopback host binds this node's IP)
     kv_host: str = "127.0.0.1"
     reserve_ttl_s: float = 60.0  # a reservation whose imports have not all arrived by then is released
-    kv_port_min: int = 0         # the ZeroMQ receiver's port range (0: any free port)
-    kv_port_max: int = 0
+    # the transport's own options, by field name (its `transfer.registry` options dataclass, e.g.
+    # ZeroMQ's receiver port range; coordinator.workers picks them for the cluster's transport)
+    transport_options: dict = field(default_factory=dict)
     # after one sequence of an n > 1 request lands, how long the loop may wait for the others
     # before its next step (each is shipped once the one before it is acknowledged)
     sibling_wait_s: float = 0.05
 
     def __post_init__(self) -> None:
-        validate_transport(self.transport)
+        get_transport(validate_transport(self.transport)).options_of(self.transport_options)
 
 
 class DecodeHandler:
@@ -76,8 +78,8 @@ class DecodeHandler:
         keys = config.keys
         endpoint = TransportConfig(address=f"tcp://{_bind_host(config.kv_host)}:0", peer_name=config.name,
                                    secret=keys.secret if keys else "")
-        self.receiver = self.transport.make_receiver(engine.kv, endpoint, admission=self.credits,
-                                                     port_min=config.kv_port_min, port_max=config.kv_port_max)
+        self.receiver: ReceiverEndpoint = self.transport.make_receiver(
+            engine.kv, endpoint, config.transport_options, admission=self.credits)
         self.address = self.receiver.address
 
     def held_back(self) -> int:

@@ -1,7 +1,7 @@
 """The decode worker's Ray actor: the worker runtime with the decode role handler.
 
 Besides the runtime's typed `command` entry point it has one method for the KV channel that
-arrives as Ray calls (`transfer.ray_channel`): `kv(conn, headers, *bodies)` delivers the call's
+arrives as Ray calls (`transfer.channels.ray_channel`): `kv(conn, headers, *bodies)` delivers the call's
 messages to the KV receiver, whose poll on the loop thread serves them (every pool call happens
 there), the same receive path every channel takes. Tokens, imports and refusals reach the coordinator in the
 runtime's `WorkerReport`s.

@@ -185,7 +185,7 @@ def run_bench(cfg: BenchConfig, log=print, baselines=None) -> dict:
     unknown = set(cfg.transports) - set(TRANSPORTS)
     if unknown:
         raise ValueError(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
-    from transfer.nixl_pool import available
+    from transfer.channels.nixl_pool import available
 
     if "nixl" in cfg.transports and not available():  # NOTE: the one optional transport: skipped, said
         log("nixl is not installed: the nixl transport is skipped (pip install 'pdserve[nixl]')")

@@ -18,7 +18,7 @@ from transfer.transport import TransportConfig, ipc_address
 # zmq-frames: the same tcp endpoint with payload chunks as ZeroMQ messages (data_plane="zmq");
 # zmq-shm: ZeroMQ control, the payload read by the receiver from the sender's /dev/shm pool
 #   (same node, transfer.pull); nixl: ZeroMQ control, the payload read by the receiver's NIXL agent
-#   from the sender's registered pool (transfer.nixl_channel; skipped without nixl);
+#   from the sender's registered pool (transfer.channels.nixl; skipped without nixl);
 # ray: actor calls, the payload read from the sender's /dev/shm pool (same node, transfer.pull);
 # ray-store: the same actor, the payload through the object store (what another node gets).
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Receivers:
 def _actor_sender(fingerprint, actor, config, pool):
     """A sender to the benchmark's own receiving actor (the registry's factory finds a decode
     worker's actor by name; this one has a handle)."""
-    from transfer.ray_channel import RaySender
+    from transfer.channels.ray_channel import RaySender
 
     return RaySender(fingerprint, actor, config, pool=pool)
 

@@ -33,10 +33,10 @@ import zmq
 from kvcache.storage import KVLayout
 from measure.pools import kv_digest, make_manager
 from measure.ray_receiver import release_import
+from transfer.channels.zmq_receiver import ZmqReceiver
 from transfer.errors import TransferError
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig
-from transfer.zmq_receiver import ZmqReceiver
 
 
 class Peer:
@@ -59,7 +59,7 @@ class Peer:
                               idle_timeout_s=cmd.get("idle_timeout_s", 30.0), secret=cmd.get("secret", ""))
         self.rx = ZmqReceiver(self.manager, cfg, metrics=self.metrics)
         with contextlib.suppress(ImportError, RuntimeError):  # nixl pool offers are read once this is loaded
-            import transfer.nixl_channel  # noqa: F401
+            import transfer.channels.nixl  # noqa: F401
         return {"addresses": [self.rx.address] + [self.rx.bind(a) for a in cmd.get("more_addresses", [])]}
 
     def result(self, cmd: dict) -> dict:

@@ -15,9 +15,9 @@ import torch
 
 from kvcache.storage import KVLayout
 from measure.pools import kv_digest, make_manager, scrub_blocks
+from transfer.channels.ray_receiver import RayReceiverEndpoint
 from transfer.errors import TransferError
 from transfer.metrics import TransferMetrics
-from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefill_worker.migration_state import InFlightMigration, Migrations, Target
 from prefill_worker.migration_threads import MigrationJob, MigrationResult, MigrationThreads
 from prefill_worker.streaming import StreamedMigrations
 from protocol.messages import Abort, Connect, DropHeld, Migrated, Reply, RequestFailed, Resend, Submit, Tokens
 from runtime.actor import CALL, QUEUE, WorkerConfig, refuse_submit
+from transfer.registry import get as get_transport
 from transfer.registry import validate as validate_transport
 from transfer.wire_messages import DecodeState
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrefillWorkerConfig(WorkerConfig):
     transport: str = "zmq"           # how KV travels to decode workers: a name in transfer.registry
-    namespace: str = ""              # Ray namespace of the decode actors (ray transport)
+    # the transport's own options, by field name (its `transfer.registry` options dataclass: Ray's
+    # namespace, ZeroMQ's receiver ports; coordinator.workers picks them for the cluster's transport)
+    transport_options: dict = field(default_factory=dict)
     # bound on one migration's ack and on a handshake (waited for on a migration thread, not the loop)
     transfer_timeout_s: float = 30.0
     # how long a request whose migration failed keeps its blocks for a `Resend` (0: release at once)
@@ -45,7 +48,7 @@ class PrefillWorkerConfig(WorkerConfig):
     stream_migration: bool = True
 
     def __post_init__(self) -> None:
-        validate_transport(self.transport)
+        get_transport(validate_transport(self.transport)).options_of(self.transport_options)
 
 
 class PrefillHandler:
@@ -57,7 +60,7 @@ class PrefillHandler:
         self.held: dict[str, tuple[int, float]] = {}         # request id -> (failed epoch, deadline)
         keys = config.keys
         senders = SenderSessions(config.name, config.transport, engine.storage.layout.fingerprint(),
-                             config.namespace, config.transfer_timeout_s, keys.secret if keys else "",
+                             config.transport_options, config.transfer_timeout_s, keys.secret if keys else "",
                              pool=engine.storage)
         self.faults = senders.faults  # what InjectFault arms (the chaos benchmark)
         self._results: list[MigrationResult] = []  # results not posted to a loop (before `attach`)

@@ -23,8 +23,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transfer.errors import TransferError, TransferTimeout
+
+if TYPE_CHECKING:
+    from transfer.sender_sessions import SenderSessions
 
 log = logging.getLogger(__name__)
 HOLD_MAX_S = 60.0  # the longest a held stream waits for `release_streams`
@@ -58,7 +62,7 @@ class MigrationResult:
 
 
 class MigrationThreads:
-    def __init__(self, senders, manager, post, gap_s: float = 30.0):
+    def __init__(self, senders: SenderSessions, manager, post, gap_s: float = 30.0):
         self.senders, self.manager, self.post = senders, manager, post
         self.gap_s = gap_s  # longest wait for a streamed migration's next blocks
         self._queues: dict[str, queue.SimpleQueue] = {}

@@ -316,9 +316,10 @@ class Rig:
                         checksum_mode=self.transport.checksum_mode, connect_timeout_s=60.0,
                         transfer_timeout_s=30.0, chunk_bytes=4096, inline_bytes=0)
         settings.update(overrides)
-        tx = self.transport.make_sender(src.storage.layout.fingerprint(), TransportConfig(**settings),
-                                        receiver=rx.name, namespace=NAMESPACE, faults=faults or Faults(),
-                                        pool=src.storage)
+        options = self.transport.pick_options({"namespace": NAMESPACE})
+        config = TransportConfig(**settings)
+        tx = self.transport.make_sender(src.storage.layout.fingerprint(), config, options, receiver=rx.name,
+                                        faults=faults or Faults(), pool=src.storage)
         self.senders.append(tx)
         return tx
 

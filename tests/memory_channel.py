@@ -5,7 +5,7 @@ registry alone, by passing the channel conformance suite (test_channel_conforman
 
 It carries the Ray channel's call shape without Ray: a flush of the sender's queued messages is
 one call, `deliver(conn, headers, bodies)` on the receiver endpoint (a
-`transfer.ray_transport.RayReceiverEndpoint`, which serves it inside its owner's `poll`), and the
+`transfer.channels.ray_receiver.RayReceiverEndpoint`, which serves it inside its owner's `poll`), and the
 call's future returns the receiver's answers. Receivers are found by name in this process
 (`_ENDPOINTS`); payload pieces are views of the sender's pool, leased until the ack.
 """
@@ -16,9 +16,9 @@ import concurrent.futures
 import dataclasses
 import time
 
+from transfer.channels.ray_channel import RayChannel, RayPipe
+from transfer.channels.ray_receiver import RayReceiverEndpoint
 from transfer.errors import TransportClosed
-from transfer.ray_channel import RayChannel, RayPipe
-from transfer.ray_transport import RayReceiverEndpoint
 from transfer.registry import Guarantees, Transport
 from transfer.session import SenderSession
 
@@ -56,7 +56,7 @@ class MemoryPipe(RayPipe):
 
 
 class MemoryChannel(RayChannel):
-    """The sending side: the ZeroMQ channel's protocol over a `MemoryPipe` to `endpoint`."""
+    """The sending side: the Ray channel's message batches over a `MemoryPipe` to `endpoint`."""
 
     # one in-process call at a time: in order; a sender that timed out never reads the answer
     TRANSPORT = Transport("memory", "memory_channel:make_sender", "memory_channel:make_receiver",
@@ -65,14 +65,11 @@ class MemoryChannel(RayChannel):
                                                 restarts=False, one_sided_reads_are_events=False,
                                                 issued_read_cancellable=True))
 
-    def _where(self) -> tuple[str, str]:
-        return "memory", self.config.address
-
     def _open(self) -> None:
         self.sock = MemoryPipe(self.actor, self.config.transfer_timeout_s)
 
 
-def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
+def make_sender(fingerprint, config, options, *, receiver: str = "", faults=None, pool=None):
     """A session to the receiver named `receiver` in this process (checksums in the manifest)."""
     endpoint = _ENDPOINTS.get(receiver)
     if endpoint is None:
@@ -81,7 +78,7 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
     return SenderSession(fingerprint, config, MemoryChannel(endpoint, config), faults=faults)
 
 
-def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> MemoryReceiver:
+def make_receiver(manager, config, options, *, admission) -> MemoryReceiver:
     """A receiver endpoint senders in this process reach by its name (`config.peer_name`)."""
     if config.peer_name in _ENDPOINTS:
         raise ValueError(f"a memory receiver {config.peer_name!r} exists already")

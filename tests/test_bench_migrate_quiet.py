@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from transfer.nixl_pool import available
+from transfer.channels.nixl_pool import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="nixl is not installed")
 ARGS = ["bench", "migrate", "--kv-shape", "tiny", "--tokens", "16", "--transports", "nixl", "--repeats", "2",

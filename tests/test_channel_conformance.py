@@ -51,7 +51,7 @@ MEMORY = "memory_channel:MemoryChannel"
 def rig(request):
     name = request.param
     if name == "nixl":
-        from transfer import nixl_pool
+        from transfer.channels import nixl_pool
 
         if not nixl_pool.available():
             pytest.skip("nixl is not installed (pip install 'pdserve[nixl]')")

@@ -62,7 +62,7 @@ def _attacker(transport: str, srv: ClusterServer, local_engine, secret: str | No
     fill_random_sequence(manager, "evil", len(PLANTED), torch.Generator().manual_seed(7), PLANTED)
     dw = _decode_worker(srv.port)
     if transport == "zmq":
-        from transfer.zmq_channel import ZmqSender
+        from transfer.channels.zmq_channel import ZmqSender
 
         sender = ZmqSender(layout.fingerprint(), TransportConfig(address=dw["address"], peer_name="prefill-0",
                                                                  connect_timeout_s=10, transfer_timeout_s=10,
@@ -70,7 +70,7 @@ def _attacker(transport: str, srv: ClusterServer, local_engine, secret: str | No
     else:
         import ray
 
-        from transfer.ray_channel import RaySender
+        from transfer.channels.ray_channel import RaySender
 
         actor = ray.get_actor(dw["name"], namespace=srv.backend.namespace)
         config = TransportConfig(peer_name="prefill-0", checksum_mode="manifest", secret=secret,

@@ -17,9 +17,9 @@ from measure.pools import fill_random_sequence, make_manager
 from protocol.codec import decode, encode
 from protocol.messages import Imported, RequestFailed, Reserve, Tokens
 from protocol.sampling import SamplingParams
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.transport import TransportConfig
 from transfer.wire_messages import DecodeState
-from transfer.zmq_channel import ZmqSender
 
 
 def test_a_bad_field_from_the_wire_is_refused_and_never_kills_the_loop():

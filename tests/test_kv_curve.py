@@ -16,8 +16,8 @@ from zmq_helpers import Served, pool
 from measure.pools import fill_random_sequence
 from protocol.curve import kv_keys
 from transfer import errors as E
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqSender
 
 SECRET = "issue-49-cluster-secret"
 # ZMTP 3.0 as a plain (NULL mechanism) DEALER speaks it: greeting, then its READY command

@@ -18,15 +18,15 @@ from zmq_helpers import Served, pool
 
 from measure.pools import fill_random_sequence
 from protocol.curve import ClusterKeys, hmac_verify, new_nonce
-from transfer import bulk_open
 from transfer import errors as E
+from transfer.channels import bulk_open
+from transfer.channels.ray_receiver import RayReceiverEndpoint
+from transfer.channels.zmq_channel import ZmqSender
+from transfer.channels.zmq_handshake import client_keys
 from transfer.metrics import TransferMetrics
-from transfer.ray_transport import RayReceiverEndpoint
 from transfer.transport import TransportConfig, make_hello
 from transfer.wire_codec import encode
 from transfer.wire_messages import PROTOCOL_VERSION
-from transfer.zmq_channel import ZmqSender
-from transfer.zmq_handshake import client_keys
 
 SECRET = ClusterKeys.generate().secret
 

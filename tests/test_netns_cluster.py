@@ -33,7 +33,7 @@ import netns_nodes  # noqa: E402
 
 from bench.netns_serve import start_up, stop_up  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from transfer.nixl_pool import available as nixl_available  # noqa: E402
+from transfer.channels.nixl_pool import available as nixl_available  # noqa: E402
 
 WHY = netns_nodes.unavailable()
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(300),

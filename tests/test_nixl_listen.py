@@ -12,8 +12,8 @@ from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served
 from transfer import registry
-from transfer.nixl_api import ucx_net_devices
-from transfer.nixl_pool import available
+from transfer.channels.nixl_api import ucx_net_devices
+from transfer.channels.nixl_pool import available
 from transfer.transport import TransportConfig
 
 pytestmark = pytest.mark.skipif(not available(), reason="nixl is not installed (pip install 'pdserve[nixl]')")

@@ -1,4 +1,4 @@
-"""transfer.nixl_pool: the install hint without nixl, and NIXL READs between two agents in one
+"""transfer.channels.nixl_pool: the install hint without nixl, and NIXL READs between two agents in one
 process and across two processes (skipped without nixl): bit-exact scattered reads, bounds refused
 before anything is issued, bounded metadata, the timeout and error paths (handle released, peer
 forgotten, ranges tainted), and a real timeout against a stopped peer that close() fences. (Region
@@ -19,9 +19,9 @@ import pytest
 import torch
 import xxhash
 
-from transfer import nixl_pool
+from transfer.channels import nixl_pool
+from transfer.channels.nixl_pool import NixlAgent, NixlUnavailable, Region
 from transfer.errors import LimitExceeded, MalformedMessage, TransferTimeout, TransportClosed
-from transfer.nixl_pool import NixlAgent, NixlUnavailable, Region
 
 needs_nixl = pytest.mark.skipif(not nixl_pool.available(), reason="nixl not installed")
 _names = itertools.count()

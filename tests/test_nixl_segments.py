@@ -1,4 +1,4 @@
-"""transfer.nixl_segments (no nixl needed): the Region wire form a peer's handshake carries,
+"""transfer.channels.nixl_segments (no nixl needed): the Region wire form a peer's handshake carries,
 strictly checked, and the planning of a READ's segments: checked against both regions before
 anything is issued, neighbours coalesced, the segment count bounded."""
 
@@ -8,9 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from transfer import nixl_segments
+from transfer.channels import nixl_segments
+from transfer.channels.nixl_segments import Region, plan_segments
 from transfer.errors import LimitExceeded, MalformedMessage
-from transfer.nixl_segments import Region, plan_segments
 
 
 def test_region_wire_roundtrip():

@@ -13,11 +13,11 @@ from channel_harness import feed
 from zmq_helpers import Served, kv_bytes, pool
 
 from measure.pools import fill_random_sequence
-from transfer import bulk_receiver
+from transfer.channels import bulk_receiver
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig
 from transfer.wire_messages import DecodeState
-from transfer.zmq_channel import ZmqSender
 
 FLOOD_THREADS = 96  # more than bulk_open.MAX_OPENING (64)
 

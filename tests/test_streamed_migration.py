@@ -16,9 +16,9 @@ from zmq_helpers import Served, kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
 from transfer import errors as E
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.transport import TransportConfig
 from transfer.wire_messages import DecodeState
-from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

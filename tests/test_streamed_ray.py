@@ -1,4 +1,4 @@
-"""Streamed migration over the Ray transport (transfer.ray_channel, transfer.ray_transport):
+"""Streamed migration over the Ray transport (transfer.channels.ray_channel, transfer.channels.ray_receiver):
 in process against a real receiving actor (measure.ray_receiver.PoolReceiver, the decode worker's
 endpoint over a synthetic pool): a lost offer (its final is nacked) or a final that does not continue
 the offer is refused whole and leaves both pools as they were. A call's headers are strict. A
@@ -43,7 +43,7 @@ def actors(ray_local):
 
 
 def _sender(src, recv):
-    from transfer.ray_channel import RaySender
+    from transfer.channels.ray_channel import RaySender
 
     tx = RaySender(src.storage.layout.fingerprint(), recv, TransportConfig(chunk_bytes=4096))
     tx.connect(timeout=60)
@@ -104,7 +104,7 @@ def test_a_broken_ray_stream_is_refused_whole(actors, gen, case):
 def test_call_headers_are_strict():
     import msgpack
 
-    from transfer.ray_transport import decode_headers
+    from transfer.channels.ray_receiver import decode_headers
 
     assert decode_headers(msgpack.packb([b"H", b"M" + bytes(8)])) == [b"H", b"M" + bytes(8)]
     for bad in (b"\xc1", msgpack.packb({"a": 1}), msgpack.packb(["H"]), msgpack.packb([b"x" * 65]),

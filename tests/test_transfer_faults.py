@@ -9,9 +9,9 @@ from zmq_helpers import Served, kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
 from transfer import errors as E
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.faults import Faults
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqSender
 
 EXPECT = {  # fault -> the receiver's typed error (None: the transfer still succeeds)
     "flip_payload": E.ChecksumError,

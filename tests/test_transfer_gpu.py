@@ -9,11 +9,11 @@ import torch
 
 from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, make_manager
+from transfer.channels.zmq_channel import ZmqSender
+from transfer.channels.zmq_receiver import ZmqReceiver
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import import_sequence
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqSender
-from transfer.zmq_receiver import ZmqReceiver
 
 pytestmark = pytest.mark.gpu
 SHAPE = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}

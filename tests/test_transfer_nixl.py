@@ -1,4 +1,4 @@
-"""The NIXL channel (transfer.nixl_channel): ZeroMQ control, the payload read one-sided by the
+"""The NIXL channel (transfer.channels.nixl): ZeroMQ control, the payload read one-sided by the
 receiver's own NIXL agent from the sender's registered pool, straight into its reserved blocks,
 verified against the manifest's checksums. Bit-exact at several block sizes, including a sender
 that re-blocks (its frames are then not pool memory: the bytes are pushed as before); a corrupted
@@ -13,7 +13,7 @@ from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
 from transfer import registry
-from transfer.nixl_pool import available
+from transfer.channels.nixl_pool import available
 from transfer.transport import TransportConfig
 
 pytestmark = pytest.mark.skipif(not available(), reason="nixl is not installed (pip install 'pdserve[nixl]')")
@@ -46,7 +46,7 @@ def test_payload_is_read_from_the_senders_pool(dst_block):
 
 
 def test_a_corrupted_read_fails_its_checksum_and_leaves_the_pool_unchanged(monkeypatch):
-    from transfer import nixl_channel
+    from transfer.channels import nixl as nixl_channel
 
     src, served, tx = _pair()
     real = nixl_channel.NixlSource.read_many

@@ -14,6 +14,7 @@ from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, make_manager
 from tests.zmq_helpers import SHAPE, Served, kv_bytes, snapshot
 from transfer import errors as E
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.checksum import checksum
 from transfer.export import ExportConfig, export_sequence
 from transfer.pull import ShmAdvert, encode_offsets
@@ -21,7 +22,6 @@ from transfer.transport import TransportConfig
 from transfer.wire import TOKEN
 from transfer.wire_codec import encode, seal
 from transfer.wire_messages import PoolOffer
-from transfer.zmq_channel import ZmqSender
 
 LAYOUT = KVLayout(block_size=16, **SHAPE)
 
@@ -127,11 +127,11 @@ def test_bad_offsets_fail_the_transfer_and_leave_the_pool_as_it_was(offer):
 
 def test_a_payload_up_to_inline_bytes_is_pushed_behind_its_manifest(monkeypatch):
     # one round trip: a pull would add the offsets, the checksums and a read
-    from transfer import zmq_channel
+    from transfer.channels import message_channel
 
     src = _source()
     assert src.table("a").num_computed * LAYOUT.token_bytes <= 256 << 10
-    monkeypatch.setattr(zmq_channel, "_Pulled", lambda *a: pytest.fail("a small payload was pulled"))
+    monkeypatch.setattr(message_channel, "_Pulled", lambda *a: pytest.fail("a small payload was pulled"))
     with _linked(src, inline_bytes=256 << 10) as (served, tx):
         tx.connect()
         tx.migrate(src, "a", "r1", 1)

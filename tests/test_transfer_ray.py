@@ -12,7 +12,7 @@ from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, make_manager
 from measure.ray_receiver import PoolReceiver
 from transfer import errors as E
-from transfer.ray_channel import RaySender
+from transfer.channels.ray_channel import RaySender
 from transfer.transport import TransportConfig
 
 ray = pytest.importorskip("ray")

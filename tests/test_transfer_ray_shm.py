@@ -14,8 +14,8 @@ import torch
 from kvcache.storage import KVLayout
 from measure.pools import fill_random_sequence, kv_digest, make_manager
 from measure.ray_receiver import PoolReceiver
+from transfer.channels.ray_channel import RaySender
 from transfer.export import export_sequence
-from transfer.ray_channel import RaySender
 from transfer.transport import TransportConfig
 
 ray = pytest.importorskip("ray")

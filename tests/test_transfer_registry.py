@@ -59,7 +59,7 @@ def test_registry_loads_without_torch():
 
 def test_pool_readers_are_declared_in_the_registry_without_import_side_effects():
     code = ("import sys, transfer.pull, transfer.registry as r; "
-            "print(r.source_ways(), 'transfer.nixl_channel' in sys.modules, r.source_opener('sim'))")
+            "print(r.source_ways(), 'transfer.channels.nixl' in sys.modules, r.source_opener('sim'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "('shm', 'nixl') False None"
@@ -132,3 +132,68 @@ def test_the_declared_guarantees_say_what_issue_53_says():
     for g in (ray, nixl):
         assert g.one_sided_reads_are_events and not g.issued_read_cancellable
     assert not zmq.one_sided_reads_are_events and not zmq.restarts and not nixl.restarts
+
+
+def test_each_transport_takes_its_own_frozen_options():
+    """The factories take the transport's own options dataclass (issue 53), not the union of every
+    transport's keywords: a worker's config carries its fields by name, and the coordinator offers
+    every setting while each entry picks its own."""
+    zmq, ray, nixl = (registry.get(n) for n in ("zmq", "ray", "nixl"))
+    assert (zmq.options, ray.options, nixl.options) == (registry.ZmqOptions, registry.RayOptions,
+                                                        registry.NixlOptions)
+    for kind in (zmq, ray, nixl):
+        assert dataclasses.is_dataclass(kind.options) and kind.options.__dataclass_params__.frozen
+    offered = {"kv_port_min": 7000, "kv_port_max": 7010, "namespace": "pd"}
+    assert zmq.pick_options(offered) == {"kv_port_min": 7000, "kv_port_max": 7010}
+    assert ray.pick_options(offered) == {"namespace": "pd"}
+    assert zmq.options_of(zmq.pick_options(offered)) == registry.ZmqOptions(7000, 7010)
+    assert ray.options_of(None) == registry.RayOptions()
+    made = registry.NixlOptions(kv_port_min=1)
+    assert nixl.options_of(made) is made
+    with pytest.raises(ValueError, match="'zmq' takes options"):
+        zmq.options_of({"namespace": "pd"})  # Ray's, not ZeroMQ's
+
+
+def test_the_ray_channel_is_not_the_zeromq_channel():
+    """They share the message pipe's protocol (`MessageChannel`), not a subclass relation."""
+    from transfer.channels.message_channel import MessageChannel
+    from transfer.channels.ray import RayChannel
+    from transfer.channels.zmq import ZmqChannel
+
+    assert not issubclass(RayChannel, ZmqChannel)
+    assert issubclass(RayChannel, MessageChannel) and issubclass(ZmqChannel, MessageChannel)
+
+
+def test_the_zeromq_receiver_listens_in_its_options_port_range():
+    """`ZmqOptions(kv_port_min, kv_port_max)`: the first free port of the range (a firewall's)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]  # taken while the probe holds it: the receiver skips it
+        manager = make_manager(KVLayout(2, 2, 8, 16, "float16"), 16)
+        config = TransportConfig(address="tcp://127.0.0.1:0", peer_name="decode-p")
+        options = {"kv_port_min": first, "kv_port_max": first + 40}
+        rx = registry.get("zmq").make_receiver(manager, config, options, admission=OPEN)
+        try:
+            port = int(rx.address.rsplit(":", 1)[1])
+            assert first < port <= first + 40
+        finally:
+            rx.close()
+
+
+def test_the_workers_get_their_transports_options_from_the_cluster_config():
+    """coordinator.workers offers the cluster's settings; each transport's workers carry only its
+    own (validated by the worker configs against the entry)."""
+    from coordinator.config import ClusterConfig
+    from coordinator.workers import transport_options
+    from decode_worker.handler import DecodeWorkerConfig
+    from prefill_worker.handler import PrefillWorkerConfig
+
+    zmq = transport_options(ClusterConfig(transport="zmq", kv_port_min=7000, kv_port_max=7010), "pd-1")
+    ray = transport_options(ClusterConfig(transport="ray", kv_port_min=7000, kv_port_max=7010), "pd-1")
+    assert zmq == {"kv_port_min": 7000, "kv_port_max": 7010} and ray == {"namespace": "pd-1"}
+    DecodeWorkerConfig("d", "", transport="zmq", transport_options=zmq)
+    PrefillWorkerConfig("p", "", transport="ray", transport_options=ray)
+    with pytest.raises(ValueError, match="takes options"):
+        DecodeWorkerConfig("d", "", transport="zmq", transport_options=ray)

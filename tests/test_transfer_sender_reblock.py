@@ -15,10 +15,10 @@ from zmq_helpers import kv_bytes as kv
 from measure.pools import fill_random_sequence
 from transfer import errors as E
 from transfer.blocks import prefix_hashes_at
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.export import ExportConfig, export_sequence
 from transfer.importer import ImportSession, import_sequence
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqSender
 
 
 @pytest.mark.parametrize("src_bs,dst_bs", [(16, 32), (32, 16), (16, 8), (8, 16), (16, 24)])

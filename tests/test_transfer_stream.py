@@ -1,4 +1,4 @@
-"""The bulk link beside the ZeroMQ control channel (transfer.bulk_wire): a receiver that
+"""The bulk link beside the ZeroMQ control channel (transfer.channels.bulk_wire): a receiver that
 meets a wrong token, a stream cut halfway, more bytes than its offer, a stream for a transfer
 that was refused, or chunks out of order refuses it, counts it and keeps its pool exactly as it
 was; a proper sender still gets through afterwards, over tcp and over a Unix socket. Driven by
@@ -15,14 +15,14 @@ from zmq_helpers import Served, kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
 from transfer import errors as E
-from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
+from transfer.channels.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.checksum import checksum
 from transfer.export import ExportConfig, export_sequence
 from transfer.transport import TransportConfig, ipc_address
 from transfer.wire import TOKEN
 from transfer.wire_codec import encode, seal
 from transfer.wire_messages import Hello
-from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import zmq
 from zmq_helpers import kv_bytes, pool, snapshot
 
 from measure.pools import fill_random_sequence
-from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
+from transfer.channels.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC
+from transfer.channels.zmq_receiver import ZmqReceiver
 from transfer.checksum import checksum
 from transfer.export import ExportConfig, export_sequence
 from transfer.metrics import TransferMetrics
@@ -23,7 +24,6 @@ from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
 from transfer.wire_codec import encode, seal
 from transfer.wire_messages import Hello
-from transfer.zmq_receiver import ZmqReceiver
 
 
 def _poll_until(rx, pred, what, timeout=10.0):

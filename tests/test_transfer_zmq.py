@@ -13,11 +13,11 @@ from zmq_helpers import Served, kv_bytes, pool
 
 from measure.pools import fill_random_sequence
 from transfer import errors as E
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.export import ExportConfig, export_sequence
 from transfer.lease import LeaseTable
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig, ipc_address
-from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ from zmq_helpers import Served, pool, snapshot
 
 from measure.pools import fill_random_sequence
 from transfer import errors as E
+from transfer.channels.zmq_channel import ZmqSender
 from transfer.checksum import checksum
 from transfer.export import ExportConfig, export_sequence
 from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
 from transfer.wire_codec import encode, seal
 from transfer.wire_messages import PROTOCOL_VERSION, Hello
-from transfer.zmq_channel import ZmqSender
 
 
 @pytest.fixture

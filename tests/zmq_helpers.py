@@ -11,9 +11,9 @@ import torch
 from kvcache.storage import KVLayout
 from measure.pools import make_manager
 from transfer import errors as E
+from transfer.channels.zmq_receiver import ZmqReceiver
 from transfer.metrics import TransferMetrics
 from transfer.transport import TransportConfig
-from transfer.zmq_receiver import ZmqReceiver
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}  # 128 bytes a token
 

@@ -15,10 +15,11 @@ and one transfer loop where a whole migration is a one-item feed, streamed migra
 while the prompt computes: `stream_export`), `receiver.MessageReceiver` receives (with
 `receiver_hello` and `receiver_transfers`), over messages of one wire format (`wire`). A
 transport is only a channel that moves them (`channel` states the contract; `registry` finds a
-transport by name): ZeroMQ (`zmq_channel`, `zmq_receiver`, with the payload on a raw TCP/Unix
-bulk link: `bulk_wire`, `bulk_sender`, `bulk_receiver`), Ray actor calls (`ray_channel`,
-`ray_transport`), and NIXL (`nixl_channel`, `nixl_pool`: ZeroMQ control, the payload read
-one-sided from the sender's registered pool). A receiver may read a payload from the sender's
+transport by name and declares its options), one entry file per transport in `channels/` holding
+both of its sides: ZeroMQ (`channels.zmq`, with the payload on a raw TCP/Unix bulk link:
+`channels.bulk_wire`, `bulk_sender`, `bulk_receiver`), Ray actor calls (`channels.ray`), and NIXL
+(`channels.nixl`, `nixl_pool`: ZeroMQ control, the payload read one-sided from the sender's
+registered pool). A receiver may read a payload from the sender's
 own pool instead of the wire (`pull`: a same-node /dev/shm pool, or NIXL). `faults` injects the
 chaos benchmark's transfer faults, applied by the session. Every failure is a typed
 `errors.TransferError`, counted in `metrics`, and leaves the receiver's pool unchanged. The

@@ -9,7 +9,7 @@ request and its reply (the hello, the dedupe query), and transfers (`ChannelTran
 bodies, then payload pieces, then the end, then the receiver's verdict). A receiver endpoint lives
 inside the decode worker and is driven from its loop thread only: every channel's messages, socket
 or Ray call, are served inside its `poll`, which returns each committed import
-(`zmq_receiver.ZmqReceiver`, `ray_transport.RayReceiverEndpoint`).
+(`channels.zmq_receiver.ZmqReceiver`, `channels.ray_receiver.RayReceiverEndpoint`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ follow the offsets (an "inline" manifest, then "K": the sender hashes while the 
 nothing it offers can change under the read.
 
 Ways: "shm", a /dev/shm pool file on the same node (`ShmAdvert`, `ShmSource`: one memcpy, pool to
-pool); "nixl", `transfer.nixl_channel.NixlSource`. A source is bounds-checked against
+pool); "nixl", `transfer.channels.nixl.NixlSource`. A source is bounds-checked against
 what the sender offered: an offset outside it is a MalformedMessage, never a read.
 """
 

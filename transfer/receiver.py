@@ -1,15 +1,15 @@
 """The receiving half of the KV migration protocol, written once for every channel.
 
-A `MessageReceiver` holds what the protocol needs: the connections (`zmq_peers.PeerTable`: each
+A `MessageReceiver` holds what the protocol needs: the connections (`peers.PeerTable`: each
 sender's handshake, its transfer in progress, its offered pool), the hello and the dedupe query (its
 `Handshake`, `receiver_hello`), admission and the import session opened by a manifest, payload
 chunks, a streamed transfer's final state, the commit and its ack, cancel, expiry, abort and
 supersede by a newer epoch (its `Payloads`, `receiver_transfers`), and the in-flight listing. It
 reads one message at a time as `Parts` (header, body, or a chunk's bytes, in the wire format of
 `transfer.wire`) and answers through `_deliver(connection, header, body)`. A channel's receiver is
-only how messages arrive and leave: `zmq_receiver.ZmqReceiver` (a ROUTER socket, plus the bulk link's
-reader threads) and `ray_transport.RayReceiverEndpoint` (a Ray actor's calls). Every
-failure is a typed error: nacked, counted once, and the pool left as it was. The owner's thread
+only how messages arrive and leave (`transfer.channels`): `zmq_receiver.ZmqReceiver` (a ROUTER
+socket, plus the bulk link's reader threads) and `ray_receiver.RayReceiverEndpoint` (a Ray actor's
+calls). Every failure is a typed error: nacked, counted once, and the pool left as it was. The owner's thread
 only.
 """
 
@@ -28,6 +28,7 @@ from transfer.errors import (
 )
 from transfer.importer import ImportResult, ImportSession
 from transfer.metrics import DEFAULT_METRICS, TransferMetrics
+from transfer.peers import Peer, PeerTable
 from transfer.pull import drop_source
 from transfer.receiver_hello import Handshake
 from transfer.receiver_transfers import Payloads
@@ -36,7 +37,6 @@ from transfer.transport import TransportConfig
 from transfer.wire import DATA, TOKEN
 from transfer.wire_codec import decode, encode, unseal
 from transfer.wire_messages import Manifest, Nack
-from transfer.zmq_peers import Peer, PeerTable
 
 
 class Part:

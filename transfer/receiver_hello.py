@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from transfer.admission import refused
 from transfer.errors import HandshakeRequired, MalformedMessage, TransferError
-from transfer.nixl_api import cluster_host
 from transfer.pull import drop_source, open_source
 from transfer.reblock import check_compatible
 from transfer.refusals import as_refusal
 from transfer.transport import authenticate_hello, sign_reply
-from transfer.wire import TOKEN
+from transfer.wire import TOKEN, cluster_host
 from transfer.wire_codec import decode
 from transfer.wire_messages import Held, HelloReply, PoolOffer, PoolReply, Query
 

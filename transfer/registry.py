@@ -1,10 +1,12 @@
 """The KV transports by name: one entry per transport, all the rest of the code needs from it.
 
 Workers, coordinator, CLI and bench look a transport up here (`get(name)`) instead of branching
-on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), the
-engine pool options its sending side needs, what it can do (`Capabilities`) and what its delivery
-promises (`Guarantees`). A new transport
-is its files plus one `register(...)` line below, whose factories name functions in those files.
+on its name: its sender and receiver factories (endpoints meeting `transfer.channel`), its own
+options (a frozen dataclass declared beside its entry: `ZmqOptions`, `RayOptions`, `NixlOptions`;
+the factories take one), the engine pool options its sending side needs, what it can do
+(`Capabilities`) and what its delivery promises (`Guarantees`). A new transport is its entry file
+in `transfer/channels/` (both of its sides) plus one `register(...)` line below, whose factories
+name functions in that file.
 The pool readers of `transfer.pull` (a receiver's way to read an offered pool, by the offer's
 way) are declared here too (`register_source`), as "module:callable" names imported when opened.
 
@@ -23,6 +25,37 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from importlib import import_module
+from typing import TYPE_CHECKING
+
+from transfer.channel import ReceiverEndpoint
+
+if TYPE_CHECKING:
+    from transfer.session import SenderSession
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a transport that takes none (a `Transport`'s default)."""
+
+
+@dataclass(frozen=True)
+class ZmqOptions:
+    """ZeroMQ's: the port range a decode worker's receiver listens on (for firewalls)."""
+
+    kv_port_min: int = 0  # the receiver binds the first free port of [kv_port_min, kv_port_max]
+    kv_port_max: int = 0  # (0: any free port)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Ray's: where a sender finds the decode worker's actor (by its name, in this namespace)."""
+
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
+class NixlOptions(ZmqOptions):
+    """NIXL's: its control plane is ZeroMQ's (the receiver's ports); the READs need no option."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +99,10 @@ class Transport:
     (so this module stays torch-free and an optional transport's package is needed only in use)."""
 
     name: str
-    # (fingerprint, TransportConfig, *, receiver, namespace, faults, pool) -> a transfer.session.SenderSession
+    # (fingerprint, TransportConfig, options, *, receiver, faults, pool) -> a transfer.session.SenderSession
     # for the decode worker named `receiver`; pool: the sending worker's KVStorage
     sender: str
-    # (manager, TransportConfig, *, admission, port_min, port_max) -> a transfer.channel.ReceiverEndpoint
+    # (manager, TransportConfig, options, *, admission) -> a transfer.channel.ReceiverEndpoint
     receiver: str
     # how its senders checksum payloads: "inline" (per chunk while streaming) or "manifest" (before sending)
     checksum_mode: str = "inline"
@@ -77,12 +110,34 @@ class Transport:
     engine_options: dict = field(default_factory=dict)
     capabilities: Capabilities = Capabilities()
     guarantees: Guarantees = field(kw_only=True)  # required: what its delivery promises
+    # its options' frozen dataclass: what both its factories take (each side reads what it needs)
+    options: type = field(default=NoOptions, kw_only=True)
 
-    def make_sender(self, fingerprint, config, **kwargs):
-        return _load(self.sender)(fingerprint, config, **kwargs)
+    def options_of(self, values=None):
+        """Its options from `values`: one already made, a mapping of its fields (what a worker's
+        config carries) or None (the defaults); ValueError for a field it does not declare."""
+        if isinstance(values, self.options):
+            return values
+        try:
+            return self.options(**dict(values or {}))
+        except TypeError as e:
+            raise ValueError(f"transport {self.name!r} takes options {self.option_names()}: {e}") from None
 
-    def make_receiver(self, manager, config, **kwargs):
-        return _load(self.receiver)(manager, config, **kwargs)
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self.options))
+
+    def pick_options(self, offered: dict) -> dict:
+        """The values among `offered` that its options declare (the coordinator offers every setting
+        a transport may take; each takes its own), as a worker's config carries them."""
+        return {k: offered[k] for k in self.option_names() if k in offered}
+
+    def make_sender(self, fingerprint, config, options=None, **kwargs) -> SenderSession:
+        """kwargs: receiver (the decode worker's name), faults, pool."""
+        return _load(self.sender)(fingerprint, config, self.options_of(options), **kwargs)
+
+    def make_receiver(self, manager, config, options=None, **kwargs) -> ReceiverEndpoint:
+        """kwargs: admission."""
+        return _load(self.receiver)(manager, config, self.options_of(options), **kwargs)
 
 
 def _load(where: str):
@@ -192,24 +247,25 @@ def validate(name: str) -> str:
 
 # ZeroMQ: each link (control DEALER, bulk link) delivers in order; a reply is lost with a broken link
 # or a sender's timeout; a restarted worker listens at a new address
-register(Transport("zmq", "transfer.zmq_channel:make_sender", "transfer.zmq_receiver:make_receiver",
+register(Transport("zmq", "transfer.channels.zmq:make_sender", "transfer.channels.zmq:make_receiver",
+                   options=ZmqOptions,
                    guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
                                          restarts=False, one_sided_reads_are_events=False,
                                          issued_read_cancellable=True)))
 # Ray: calls from one caller arrive in order, a call can run while its reply is lost, actors restart;
 # a same-node receiver reads the sender's /dev/shm pool (a read, not a message; not cancellable)
-register(Transport("ray", "transfer.ray_channel:make_sender", "transfer.ray_transport:make_receiver",
+register(Transport("ray", "transfer.channels.ray:make_sender", "transfer.channels.ray:make_receiver",
                    checksum_mode="manifest", engine_options={"kv_shm": True},
-                   capabilities=Capabilities(same_node_pool=True),
+                   capabilities=Capabilities(same_node_pool=True), options=RayOptions,
                    guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
                                          restarts=True, one_sided_reads_are_events=True,
                                          issued_read_cancellable=False)))
 # NIXL: ZeroMQ's control; a READ is an event, and an issued READ cannot be cancelled (UCX)
-register(Transport("nixl", "transfer.nixl_channel:make_sender", "transfer.nixl_channel:make_receiver",
-                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True),
+register(Transport("nixl", "transfer.channels.nixl:make_sender", "transfer.channels.nixl:make_receiver",
+                   checksum_mode="manifest", capabilities=Capabilities(one_sided=True), options=NixlOptions,
                    guarantees=Guarantees(ordered_per_caller=True, reply_may_be_lost_after_running=True,
                                          restarts=False, one_sided_reads_are_events=True,
                                          issued_read_cancellable=False)))
 
 register_source("shm", "transfer.pull:ShmSource")
-register_source("nixl", "transfer.nixl_channel:NixlSource")
+register_source("nixl", "transfer.channels.nixl:NixlSource")

@@ -13,27 +13,31 @@ from __future__ import annotations
 from transfer.errors import HandshakeRequired, TransferError, TransferTimeout
 from transfer.faults import Faults
 from transfer.registry import get as get_transport
+from transfer.session import SenderSession
 from transfer.transport import TransportConfig
 
 
 class SenderSessions:
-    def __init__(self, peer_name: str, transport: str, fingerprint: dict, namespace: str = "",
+    def __init__(self, peer_name: str, transport: str, fingerprint: dict, options=None,
                  transfer_timeout_s: float = 30.0, secret: str = "", pool=None):
+        """options: the transport's own (`transfer.registry`: its options dataclass, or a mapping of
+        its fields as a worker's config carries them; None: its defaults)."""
         self.kind = get_transport(transport)  # ValueError for an unregistered name
         self.peer_name, self.transport, self.fingerprint = peer_name, transport, dict(fingerprint)
-        self.namespace, self.transfer_timeout_s, self.secret = namespace, transfer_timeout_s, secret
+        self.options = self.kind.options_of(options)  # ValueError for a field it does not take
+        self.transfer_timeout_s, self.secret = transfer_timeout_s, secret
         self.pool = pool  # the worker's KVStorage (Ray: a /dev/shm pool is read in place on one node)
-        self._senders: dict[str, object] = {}
+        self._senders: dict[str, SenderSession] = {}
         self.faults = Faults()  # armed by the chaos benchmark (InjectFault); idle otherwise
 
-    def get(self, name: str, address: str):
+    def get(self, name: str, address: str) -> SenderSession:
         sender = self._senders.get(name)
         if sender is None:
             config = TransportConfig(address=address, peer_name=self.peer_name, receiver=name,
                                      transfer_timeout_s=self.transfer_timeout_s,
                                      connect_timeout_s=min(10.0, self.transfer_timeout_s),
                                      checksum_mode=self.kind.checksum_mode, secret=self.secret)
-            sender = self.kind.make_sender(self.fingerprint, config, receiver=name, namespace=self.namespace,
+            sender = self.kind.make_sender(self.fingerprint, config, self.options, receiver=name,
                                            faults=self.faults, pool=self.pool)
             self._senders[name] = sender
         return sender

@@ -1,6 +1,7 @@
-"""The wire format of KV migration's messages, the same on every channel (`zmq_channel` and
-`zmq_receiver` over ZeroMQ sockets: the decode side binds a ROUTER, each prefill side connects a
-DEALER; `ray_channel` and `ray_transport` in Ray actor calls). Every message is two parts,
+"""The wire format of KV migration's messages, the same on every channel (`channels.zmq` over
+ZeroMQ sockets: the decode side binds a ROUTER, each prefill side connects a DEALER;
+`channels.ray` in Ray actor calls), and the KV addresses they use (`bind_address`,
+`parse_address`, `cluster_host`). Every message is two parts,
 [header, body] (the ROUTER adds the peer identity in front):
   H / h     hello / reply (msgpack Hello; HelloReply or Nack)
   Q / q     dedupe query / reply (Query; Held or Nack)
@@ -35,3 +36,23 @@ TOKEN = struct.Struct("<cQ")    # b"M" / b"E" / b"A", token
 def bind_address(address: str) -> str:
     """tcp://host:0 -> tcp://host:* (ZeroMQ's any-free-port form); other addresses unchanged."""
     return address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") else address
+
+
+def parse_address(address: str) -> tuple[str, str]:
+    """("tcp", host) for tcp://host:port, ("ipc", path) for ipc://path."""
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rsplit(":", 1)[0]
+        return "tcp", host.strip("[]")
+    if address.startswith("ipc://"):
+        return "ipc", address[len("ipc://"):]
+    raise ValueError(f"not a tcp:// or ipc:// address: {address!r}")
+
+
+def cluster_host(address: str) -> str:
+    """The host of a KV address as the cluster uses it: tcp://HOST:PORT -> HOST; ipc:// (one node)
+    -> loopback; anything else -> "" (not known)."""
+    try:
+        scheme, where = parse_address(address)
+    except ValueError:
+        return ""
+    return where if scheme == "tcp" else "127.0.0.1"

@@ -17,8 +17,8 @@ import socket
 import threading
 import time
 
-from transfer.bulk_open import BUSY, OPENED
-from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, send_views
+from transfer.channels.bulk_open import BUSY, OPENED
+from transfer.channels.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, send_views
 from transfer.errors import TransportClosed
 
 log = logging.getLogger("transfer.bulk")

@@ -145,8 +145,3 @@ class RayReceiverEndpoint(MessageReceiver):
             self.manager.free(result.seq_id, uncache=True)
         self._committed.clear()
         self.wakeup.close()
-
-
-def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> RayReceiverEndpoint:
-    """The registry's factory (Ray needs no port: senders find the worker's actor by name)."""
-    return RayReceiverEndpoint(manager, config, admission=admission)

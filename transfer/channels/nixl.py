@@ -1,6 +1,6 @@
 """The NIXL channel (`--transport nixl`): ZeroMQ control, payload read one-sided with NIXL (UCX).
 
-Everything in the control plane is the ZeroMQ channel's (`zmq_channel`, `zmq_receiver`): signed
+Everything in the control plane is the ZeroMQ transport's (`channels.zmq`): signed
 hello, reservation, manifest, verify after landing, ack. What this file adds is a pool way for
 `transfer.pull`: at its first transfer after the hello the sender offers its whole KV pool,
 registered with a NIXL agent of its own (`NixlAdvert`: agent metadata plus the region); the
@@ -34,9 +34,13 @@ import msgpack
 import numpy as np
 import torch
 
+from transfer.channel import ReceiverEndpoint
+from transfer.channels.nixl_api import NixlUnavailable
+from transfer.channels.nixl_pool import NixlAgent, Region
 from transfer.errors import MalformedMessage, TransferError
-from transfer.nixl_api import NixlUnavailable, cluster_host
-from transfer.nixl_pool import NixlAgent, Region
+from transfer.registry import NixlOptions
+from transfer.session import SenderSession
+from transfer.wire import cluster_host
 from transfer.wire_messages import PoolOffer
 
 READ_TIMEOUT_S = 30.0  # the longest one READ (a whole payload, at most) may take before the transfer fails
@@ -162,11 +166,11 @@ class NixlSource:
         self.agent.close()
 
 
-
 # ---- the registry's factories (transfer.registry) -------------------------------------------------------
-def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
+def make_sender(fingerprint, config, options: NixlOptions, *, receiver: str = "", faults=None,
+                pool=None) -> SenderSession:
     """A ZeroMQ sender session whose pool (`pool`, the worker's KVStorage) is offered over NIXL."""
-    from transfer.zmq_channel import ZmqSender
+    from transfer.channels.zmq import ZmqSender
 
     if pool is None:
         raise ValueError("the nixl transport needs the sending worker's pool")
@@ -174,10 +178,11 @@ def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "",
     return ZmqSender(fingerprint, config, faults=faults, advert=advert)
 
 
-def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0):
-    """A ZeroMQ receiver; NIXL pool offers are read through `NixlSource` (the registry's "nixl" way)."""
-    from transfer.zmq_receiver import make_receiver as zmq_receiver
+def make_receiver(manager, config, options: NixlOptions, *, admission) -> ReceiverEndpoint:
+    """A ZeroMQ receiver on ZeroMQ's ports (`options` are theirs); NIXL pool offers are read
+    through `NixlSource` (the registry's "nixl" way)."""
+    from transfer.channels.zmq import make_receiver as zmq_receiver
 
     # NixlUnavailable here, at start, rather than at the first offer
     NixlAgent(_name("probe"), cluster_host(config.address)).close()
-    return zmq_receiver(manager, config, admission=admission, port_min=port_min, port_max=port_max)
+    return zmq_receiver(manager, config, options, admission=admission)

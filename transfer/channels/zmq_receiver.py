@@ -4,7 +4,7 @@ in the reserved blocks from the bulk link's reader threads (`bulk_receiver`) or,
 ones and data_plane "zmq", from this socket. A failed transfer is aborted (reservation
 released), nacked, counted, and its error raised from `poll`. A peer without a completed
 handshake gets nothing but its hello read, and its connection is closed after `preauth_s`
-(`transfer.zmq_peers`). With a cluster secret the socket is a CURVE server that admits only the
+(`transfer.channels.zmq_peers`). With a cluster secret the socket is a CURVE server that admits only the
 key pair derived from it (`protocol.curve.kv_keys`): a peer without the secret never completes
 the ZeroMQ handshake, so libzmq drops it after its 64-byte greeting (or its first handshake
 command) and never buffers a message of its, however many frames it announces (issue 49).
@@ -13,7 +13,6 @@ command) and never buffers a message of its, however many frames it announces (i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -21,15 +20,14 @@ import time
 import zmq
 
 from protocol.curve import kv_keys, serve_curve
-from transfer.bulk_receiver import BulkListener
-from transfer.bulk_wire import parse_address
+from transfer.channels.bulk_receiver import BulkListener
+from transfer.channels.zmq_peers import IdleConnections
 from transfer.importer import ImportResult
 from transfer.receiver import MessageReceiver
 from transfer.refusals import Refusals
 from transfer.transport import TransportConfig
 from transfer.wakeup import Wakeup
-from transfer.wire import bind_address
-from transfer.zmq_peers import IdleConnections
+from transfer.wire import bind_address, parse_address
 
 
 class ZmqReceiver(MessageReceiver):
@@ -166,17 +164,3 @@ class ZmqParts:
             self.sock.recv(copy=False)
             n += 1
         return n
-
-
-def make_receiver(manager, config, *, admission, port_min: int = 0, port_max: int = 0) -> ZmqReceiver:
-    """The registry's factory: a receiver on the first free port of [port_min, port_max] (any port when 0)."""
-    if not port_min:
-        return ZmqReceiver(manager, config, admission=admission)
-    host = config.address.rsplit(":", 1)[0]
-    for port in range(port_min, max(port_min, port_max) + 1):
-        try:
-            where = dataclasses.replace(config, address=f"{host}:{port}")
-            return ZmqReceiver(manager, where, admission=admission)
-        except zmq.ZMQError:  # taken: the next one
-            continue
-    raise RuntimeError(f"no free KV receiver port in {port_min}..{port_max}")

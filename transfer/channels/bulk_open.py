@@ -17,7 +17,7 @@ import contextlib
 import socket
 import time
 
-from transfer.bulk_wire import OPEN
+from transfer.channels.bulk_wire import OPEN
 
 MAX_OPENING = 64  # connections still sending their opening message
 BUSY, OPENED = b"B", b"K"  # the receiver's one-byte answers to an opening

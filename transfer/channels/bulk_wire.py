@@ -79,13 +79,3 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             views = views[1:]
         if views and sent:
             views = [views[0][sent:]] + views[1:]
-
-
-def parse_address(address: str) -> tuple[str, str]:
-    """("tcp", host) for tcp://host:port, ("ipc", path) for ipc://path."""
-    if address.startswith("tcp://"):
-        host = address[len("tcp://"):].rsplit(":", 1)[0]
-        return "tcp", host.strip("[]")
-    if address.startswith("ipc://"):
-        return "ipc", address[len("ipc://"):]
-    raise ValueError(f"not a tcp:// or ipc:// address: {address!r}")

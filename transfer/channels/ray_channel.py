@@ -1,8 +1,9 @@
-"""The Ray channel, sending side: the ZeroMQ channel's messages (`zmq_channel`, wire format
-`transfer.wire`) carried by calls to the decode worker's actor instead of a socket.
+"""The Ray channel, sending side: the wire's messages (`transfer.wire`, sent as
+`message_channel.MessageChannel` sends them, the ZeroMQ channel's way) carried by calls to the
+decode worker's actor instead of a socket.
 
-`RayPipe` is used exactly like the channel's DEALER socket: messages are buffered and go as one
-call, `kv(conn, headers, *bodies)` (`ray_transport`), when the channel waits for an answer or
+`RayPipe` is used exactly like the ZeroMQ channel's DEALER socket: messages are buffered and go as
+one call, `kv(conn, headers, *bodies)` (`ray_receiver`), when the channel waits for an answer or
 flushes a streamed transfer's batch; payload chunks are numpy views of pool memory that Ray copies
 once into its object store at submission (a staging slot's bytes are copied at once, since the
 slot is reused). At most one call is outstanding, so the receiver sees the messages in order;
@@ -22,11 +23,11 @@ import uuid
 import msgpack
 import numpy as np
 
+from transfer.channels.message_channel import MessageChannel
 from transfer.errors import MalformedMessage, TransferTimeout
 from transfer.pull import shm_advert
 from transfer.session import SenderSession
 from transfer.transport import TransportConfig
-from transfer.zmq_channel import ZmqChannel
 
 MAX_REPLIES = 4096
 # each payload chunk is one object-store argument of the call: fewer, larger ones cost less per byte
@@ -46,32 +47,17 @@ def RaySender(fingerprint: dict, actor, config: TransportConfig | None = None, *
     return SenderSession(fingerprint, config, channel, metrics=metrics, faults=faults)
 
 
-def make_sender(fingerprint, config, *, receiver: str = "", namespace: str = "", faults=None, pool=None):
-    """The registry's factory: a session to the decode worker actor named `receiver`."""
-    import ray
-
-    actor = ray.get_actor(receiver, namespace=namespace)
-    return RaySender(fingerprint, actor, config, faults=faults, pool=pool)
-
-
-class RayChannel(ZmqChannel):
-    """The ZeroMQ channel's protocol over a `RayPipe` (no bulk link: chunks travel in the calls)."""
+class RayChannel(MessageChannel):
+    """The messages over a `RayPipe` to `actor` (no bulk link: chunks travel in the calls, batched:
+    `flush` sends what is queued as one call)."""
 
     def __init__(self, actor, config: TransportConfig, metrics=None, advert=None):
-        self.actor = actor
         super().__init__(config, metrics, advert)
-
-    def _context(self):
-        return None
-
-    def _where(self) -> tuple[str, str]:
-        return "ray", self.config.address  # the actor, reached by handle (no bulk link)
+        self.actor = actor
+        self._open()
 
     def _open(self) -> None:
         self.sock = RayPipe(self.actor, self.config.transfer_timeout_s)
-
-    def hello_fields(self) -> dict:
-        return {"stream": ""}
 
     def flush(self) -> None:
         self.sock.flush()

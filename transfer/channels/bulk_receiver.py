@@ -21,8 +21,17 @@ import socket
 import threading
 import time
 
-from transfer.bulk_open import BUSY, OPENED, Opening, accept, expired, forget, turn_away
-from transfer.bulk_wire import CHUNK, END, OPEN, OPEN_MAGIC, XFER, XFER_MAGIC, recv_exact, recv_into_hashed
+from transfer.channels.bulk_open import BUSY, OPENED, Opening, accept, expired, forget, turn_away
+from transfer.channels.bulk_wire import (
+    CHUNK,
+    END,
+    OPEN,
+    OPEN_MAGIC,
+    XFER,
+    XFER_MAGIC,
+    recv_exact,
+    recv_into_hashed,
+)
 from transfer.checksum import hasher
 from transfer.errors import FrameCountError, FrameSizeError, TransferError, TransferTimeout, TransportClosed
 from transfer.metrics import TransferMetrics

@@ -13,8 +13,6 @@ import socket
 import struct
 import threading
 
-from transfer.bulk_wire import parse_address
-
 INSTALL_HINT = "pip install 'pdserve[nixl]'  (on CPU: pip install --no-deps nixl nixl-cu12)"
 
 
@@ -45,16 +43,6 @@ PROGRESS_DELAY_US = 500  # the progress thread's sleep between rounds (NIXL's Py
 
 _CREATING = threading.Lock()  # an agent's construction swaps a class and an environment variable
 SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
-
-
-def cluster_host(address: str) -> str:
-    """The host of a KV address as the cluster uses it: tcp://HOST:PORT -> HOST; ipc:// (one node)
-    -> loopback; anything else -> "" (not known)."""
-    try:
-        scheme, where = parse_address(address)
-    except ValueError:
-        return ""
-    return where if scheme == "tcp" else "127.0.0.1"
 
 
 def ucx_net_devices(host: str) -> str:

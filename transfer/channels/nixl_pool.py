@@ -1,4 +1,4 @@
-"""The data-plane primitive of the `--transport nixl` KV channel (`transfer.nixl_channel` says how
+"""The data-plane primitive of the `--transport nixl` KV channel (`transfer.channels.nixl` says how
 the channel uses it): a NIXL agent (NVIDIA's transfer library, UCX backend) with a KV pool
 registered as one region (`nixl_segments.Region`), a peer agent loaded from its metadata, and
 bounded one-sided READs of (remote offset -> local offset, nbytes) segments, checked against both
@@ -39,9 +39,9 @@ from __future__ import annotations
 import math
 import time
 
+from transfer.channels.nixl_api import INSTALL_HINT, NixlUnavailable, _new_agent, _nixl_api, available  # noqa: F401
+from transfer.channels.nixl_segments import MAX_SEGMENTS, Region, _descs, plan_segments  # noqa: F401 (re-exported)
 from transfer.errors import LimitExceeded, MalformedMessage, TransferTimeout, TransportClosed
-from transfer.nixl_api import INSTALL_HINT, NixlUnavailable, _new_agent, _nixl_api, available  # noqa: F401
-from transfer.nixl_segments import MAX_SEGMENTS, Region, _descs, plan_segments  # noqa: F401 (re-exported)
 
 MAX_METADATA_BYTES = 64 << 10
 
