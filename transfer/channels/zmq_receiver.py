@@ -47,11 +47,21 @@ class ZmqReceiver(MessageReceiver):
         s.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_chunk_bytes, config.limits.max_message_bytes) + 64)
         s.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(config.preauth_s * 1000)))  # ZeroMQ's own handshake
         self.authenticator = None
-        if config.secret:  # only cluster members complete the ZeroMQ handshake
-            from zmq.auth.thread import ThreadAuthenticator
+        try:
+            if config.secret:  # only cluster members complete the ZeroMQ handshake
+                from zmq.auth.thread import ThreadAuthenticator
 
-            self.authenticator = serve_curve(s, kv_keys(config.secret), ThreadAuthenticator)
-        s.bind(bind_address(config.address))
+                self.authenticator = serve_curve(s, kv_keys(config.secret), ThreadAuthenticator)
+            s.bind(bind_address(config.address))
+        except BaseException:
+            # NOTE: a port taken (make_receiver then tries the next) must not leave the socket, the
+            # authenticator's thread and the context behind: the context's collection would block
+            # in term() on the authenticator's socket, hanging whatever thread collects it
+            if self.authenticator is not None:
+                self.authenticator.stop()
+            s.close(0)
+            self.ctx.term()
+            raise
         self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = [self.address]
         self.refusals = Refusals(self.metrics, config.peer_name or self.address)
