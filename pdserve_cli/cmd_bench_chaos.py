@@ -7,7 +7,7 @@ corruption was detected and none was a false positive."""
 
 from __future__ import annotations
 
-from transfer.registry import names as transport_names
+from pdserve_cli import transport_arg
 
 NAME = "chaos"
 HELP = "fault injection under load: wrong answers, leaked blocks, detected corruptions, recovery"
@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--requests-per-fault", type=int, help="load requests per fault (default 64; quick 20)")
     p.add_argument("--concurrency", type=int, help="client threads (default 6)")
     p.add_argument("--fault-count", type=int, help="faulted transfers per phase (default 6; quick 3)")
-    p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
+    transport_arg.add(p)
     p.add_argument("--seed", type=int, help="base seed of prompts and sampling seeds")
 
 

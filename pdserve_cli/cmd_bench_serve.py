@@ -9,7 +9,7 @@ and the max_tokens=1 overhead measurement; writes JSON and a plot."""
 
 from __future__ import annotations
 
-from transfer.registry import names as transport_names
+from pdserve_cli import transport_arg
 
 NAME = "serve"
 HELP = "benchmark serving: disaggregated vs colocated vs per-request, TTFT/TPOT/goodput under Poisson load"
@@ -69,7 +69,7 @@ def add_arguments(p) -> None:
                    "per-request mode's decisions (default: each decode worker's own startup timing)")
     p.add_argument("--no-pin", action="store_true",
                    help="leave workers unpinned (default: one thread each, on a core of its own)")
-    p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
+    transport_arg.add(p)
     p.add_argument("--url", help="target a running coordinator instead of bringing clusters up")
     p.add_argument("--mode", choices=("disaggregated", "colocated", "per_request"),
                    help="the --url coordinator's mode")

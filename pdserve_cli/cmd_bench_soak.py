@@ -4,7 +4,7 @@ JSON and a plot."""
 
 from __future__ import annotations
 
-from transfer.registry import names as transport_names
+from pdserve_cli import transport_arg
 
 NAME = "soak"
 HELP = "hold a steady request rate; plot RSS and free blocks per worker over time, with their slopes"
@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seconds", type=float, help="run length in seconds (overrides --minutes)")
     p.add_argument("--rate", type=float, help="requests per second (default 2)")
     p.add_argument("--sample-s", type=float, help="seconds between samples (default 2)")
-    p.add_argument("--transport", choices=transport_names(), help="KV migration transport (default zmq)")
+    transport_arg.add(p)
     p.add_argument("--seed", type=int, help="seed of prompts and arrivals")
     p.add_argument("--json", metavar="FILE", help="write the report (every sample) as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot RSS and free blocks per worker over time")

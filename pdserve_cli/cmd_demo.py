@@ -13,8 +13,7 @@ The demo itself is `pdserve_cli.demo`.
 
 from __future__ import annotations
 
-from pdserve_cli import weights_arg
-from transfer.registry import names as transport_names
+from pdserve_cli import transport_arg, weights_arg
 
 NAME = "demo"
 GROUP = None
@@ -23,7 +22,7 @@ HELP = "run the main demo: a 1 prefill + 1 decode cluster on local Ray, then the
 
 def add_arguments(p) -> None:
     p.add_argument("--out", default="out/demo", help="folder for the JSON and figure (default out/demo)")
-    p.add_argument("--transport", choices=transport_names(), default="zmq", help="KV migration transport")
+    transport_arg.add(p, default="zmq")
     p.add_argument("--model", default="smollm2", help="'smollm2' (default: SmolLM2-135M-Instruct), 'tiny' "
                    "(random test model), a .gguf file or a Hugging Face checkpoint directory")
     p.add_argument("--block-size", type=int, default=16, help="prefill worker's KV block size")

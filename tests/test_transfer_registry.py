@@ -197,3 +197,42 @@ def test_the_workers_get_their_transports_options_from_the_cluster_config():
     PrefillWorkerConfig("p", "", transport="ray", transport_options=ray)
     with pytest.raises(ValueError, match="takes options"):
         DecodeWorkerConfig("d", "", transport="zmq", transport_options=ray)
+
+
+@pytest.mark.parametrize("command", [["bench", "serve"], ["bench", "chaos"], ["bench", "soak"], ["demo"]])
+def test_every_cluster_command_takes_a_transport_by_module_path_and_refuses_a_bad_one(command, capsys):
+    from pdserve_cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*command, "--transport", MEMORY]).transport == MEMORY
+    assert parser.parse_args([*command, "--transport", "ray"]).transport == "ray"
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*command, "--transport", "no_such_module_here:Channel"])
+    assert exit_.value.code == 2
+    assert "'no_such_module_here:Channel' cannot be loaded" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--transport", "nccl"])
+    assert "unknown transport 'nccl'" in capsys.readouterr().err
+
+
+def test_a_receiver_on_a_taken_port_leaves_no_thread_or_context_behind():
+    """A taken port (make_receiver then tries the next one) stops the CURVE authenticator's thread
+    and ends the context: left behind, the context's collection blocked in term() on that thread's
+    socket, hanging whatever collected it."""
+    import socket
+    import threading
+
+    import zmq
+
+    from transfer.channels.zmq_receiver import ZmqReceiver
+
+    manager = make_manager(KVLayout(2, 2, 8, 16, "float16"), 16)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {t.ident for t in threading.enumerate()}
+        config = TransportConfig(address=f"tcp://127.0.0.1:{port}", peer_name="decode-t", secret="s" * 32)
+        with pytest.raises(zmq.ZMQError):
+            ZmqReceiver(manager, config, admission=OPEN)
+        assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
