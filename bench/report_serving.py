@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# bench serve's setup labels -> the planner's configurations (2 workers)
-PLAN_CONFIG = {"colocated": "colocated 2", "disaggregated": "1P+1D", "per-request": "1P+1D auto"}
+from planner.validate import SERVE_LABELS  # bench serve's kinds -> the planner's configurations
+
 KINDS = ("colocated", "disaggregated", "per-request")
 PLOT = "serve-goodput.png"  # written beside the JSON by `pdserve bench report`
 
@@ -62,8 +62,8 @@ def predicted(plan: dict | None) -> tuple[dict[str, float], str | None]:
     if not budget:
         return {}, None
     by_config = {c["config"]: c["sustained_rate"] for c in budget["configs"]}
-    back = {v: k for k, v in PLAN_CONFIG.items()}
-    return ({k: by_config[c] for k, c in PLAN_CONFIG.items() if c in by_config},
+    back = {v: k for k, v in SERVE_LABELS.items()}
+    return ({k: by_config[c] for k, c in SERVE_LABELS.items() if c in by_config},
             back.get(budget["best"], budget["best"]))
 
 
