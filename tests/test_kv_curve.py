@@ -95,3 +95,46 @@ def test_the_kv_key_pair_is_derived_from_the_secret_alone():
     assert zmq.curve_public(keys.secret.encode()).decode() == keys.public
     with pytest.raises(ValueError):
         kv_keys("")
+
+
+
+def test_a_migration_sent_after_a_failed_handshake_ends_with_its_cause(src):
+    """libzmq drops a DEALER's connection for good when its side of the handshake fails for a
+    protocol reason (here: the receiver greets with CURVE, the sender has no key), and a DEALER
+    without a connection blocks on send: `bench chaos`'s forged-import fault (a manifest sent
+    without a hello) hung there in CI. The send now ends with the handshake's cause. The receiver
+    is a raw socket that greets as a CURVE server and then waits, so the sender is the side that
+    sees the mismatch (against a real receiver either side may see it first)."""
+    import threading
+
+    from transfer.reblock import check_compatible
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
+    fp = src.storage.layout.fingerprint()
+    tx = ZmqSender(fp, TransportConfig(address=f"tcp://127.0.0.1:{port}", connect_timeout_s=300.0))
+    outcome = []
+
+    def forge():
+        try:
+            tx.plan = check_compatible(fp, fp)  # as if the hello had passed
+            outcome.append(tx.migrate(src, "a", "forged", 1, dedupe=False))
+        except E.TransferError as e:
+            outcome.append(e)
+
+    listener.settimeout(30)
+    conn, _ = listener.accept()
+    try:
+        conn.sendall(greeting)
+        assert tx.channel.watch.monitor.poll(30_000)  # the sender's handshake failed; event unread
+        t = threading.Thread(target=forge, daemon=True)
+        t.start()
+        t.join(120)  # a bound for a hang, far above the milliseconds this takes
+        assert not t.is_alive(), "the send blocked on a socket without a connection"
+        assert len(outcome) == 1 and isinstance(outcome[0], E.Unauthenticated)
+        assert "mechanism mismatch" in str(outcome[0])
+    finally:
+        tx.close()
+        conn.close()
+        listener.close()

@@ -77,6 +77,11 @@ class MessageChannel:
     def flush(self) -> None:
         """Messages go as they are sent on a socket (a channel that batches them sends them now)."""
 
+    def send(self, parts: list, *, copy: bool = True, track: bool = False):
+        """Send one message (its frames) on the pipe; a tracker when `track`. A channel whose
+        pipe can refuse to take a message bounds the wait (`ZmqChannel.send`)."""
+        return self.sock.send_multipart(parts, copy=copy, track=track)
+
     # ---- waiting ------------------------------------------------------------------------------------
     def reply(self, headers: tuple[bytes, ...]):
         """One queued reply if it is one of `headers` (or a garbled-message nack), else None."""
@@ -109,7 +114,7 @@ class MessageChannel:
 
     def request(self, kind: str, body: bytes, deadline: float) -> bytes:
         header, answer = _REQUESTS[kind]
-        self.sock.send_multipart([header, body])
+        self.send([header, body])
         return self.wait((answer,), deadline, f"{kind} reply")
 
     def accepted(self, reply) -> None:
@@ -150,15 +155,15 @@ class _Pulled:
     def __init__(self, ch: MessageChannel, token: int, bodies: list[bytes], offsets: list[int], sums: bool):
         self.ch, self.token, self.sums = ch, token, sums
         for body in bodies:
-            ch.sock.send_multipart([TOKEN.pack(b"M", token), body])
-        ch.sock.send_multipart([TOKEN.pack(b"P", token), encode_offsets(offsets)])
+            ch.send([TOKEN.pack(b"M", token), body])
+        ch.send([TOKEN.pack(b"P", token), encode_offsets(offsets)])
         ch.flush()  # the read starts now
 
     def send(self, items) -> bool:
         """The pieces stay where they are; with "inline" checksums, theirs go (hashed now)."""
         if self.sums:
             sums = [cs for (_, _, _, cs), _ in items]
-            self.ch.sock.send_multipart([TOKEN.pack(b"K", self.token), encode_offsets(sums)])
+            self.ch.send([TOKEN.pack(b"K", self.token), encode_offsets(sums)])
             self.ch.flush()
         return True
 
@@ -189,7 +194,7 @@ class _Transfer:
         kind = (b"O" if self.on_bulk else b"W") if streamed else b"S" if self.on_bulk else b"M"
         try:
             for body in bodies:
-                ch.sock.send_multipart([TOKEN.pack(kind, token), body])
+                ch.send([TOKEN.pack(kind, token), body])
         except TransferError:
             ch.reset()
             raise
@@ -211,10 +216,9 @@ class _Transfer:
         return self.live
 
     def _send_control(self, items) -> bool:
-        sock = self.ch.sock
         for (f, c, slot, cs), view in items:
-            tracker = sock.send_multipart([DATA.pack(b"D", self.token, f, c, cs), view], copy=False,
-                                          track=slot is not None)
+            tracker = self.ch.send([DATA.pack(b"D", self.token, f, c, cs), view], copy=False,
+                                   track=slot is not None)
             if slot is not None:
                 slot.tracker = tracker
             if self.answered():
@@ -225,9 +229,9 @@ class _Transfer:
         ch = self.ch
         if not self.on_bulk:
             kind = b"F" if self.streamed else b"E"
-            ch.sock.send_multipart([TOKEN.pack(kind, self.token), final_body or b""])
+            ch.send([TOKEN.pack(kind, self.token), final_body or b""])
         elif ch.bulk.end() and final_body is not None:
-            ch.sock.send_multipart([TOKEN.pack(b"F", self.token), final_body])
+            ch.send([TOKEN.pack(b"F", self.token), final_body])
 
     def verdict(self, deadline: float) -> bytes:
         if self.early is not None:
@@ -241,5 +245,5 @@ class _Transfer:
             self.ch.close_bulk()
         elif self.streamed and self.ch.sock is self.sock:  # after a reset the receiver forgot it anyway
             with contextlib.suppress(Exception):
-                self.ch.sock.send_multipart([TOKEN.pack(b"C", self.token), b""])
+                self.ch.send([TOKEN.pack(b"C", self.token), b""])
                 self.ch.flush()

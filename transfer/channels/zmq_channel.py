@@ -13,6 +13,8 @@ falls back, counted), or stay where they are when the receiver accepted this sid
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from transfer.channels.bulk_sender import FALLBACKS, OPEN_SLACK_S, BulkLink
@@ -88,6 +90,30 @@ class ZmqChannel(MessageChannel):
             self.reset()
             raise Unauthenticated(f"{self.config.address}: {failed}")
         return self.sock in ready
+
+    def send(self, parts: list, *, copy: bool = True, track: bool = False):
+        """Send one message, waiting at most `connect_timeout_s` for the socket to take it. A
+        DEALER takes messages while it has a connection (its queue is unbounded, SNDHWM 0) but
+        blocks, forever, while it has none, and libzmq drops the connection for good when the
+        handshake fails for a protocol reason (a receiver that wants CURVE from a sender without
+        the key). So: Unauthenticated at once when the watch saw the handshake fail,
+        TransportClosed when nothing took the message in time; either resets the socket."""
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while True:
+            try:
+                return self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy, track=track)
+            except zmq.Again:
+                pass
+            failed = self.watch.failure()
+            if failed is not None:
+                self.reset()
+                raise Unauthenticated(f"{self.config.address}: {failed}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.reset()
+                raise TransportClosed(f"{self.config.address}: no connection took the message within "
+                                      f"{self.config.connect_timeout_s:g} s")
+            self.sock.poll(max(1, min(50, int(left * 1000))), zmq.POLLOUT)
 
     def open_bulk(self) -> bool:
         """Open the bulk link if it is not open; when the receiver will not take it (its slots
