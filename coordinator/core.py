@@ -307,6 +307,8 @@ class ClusterCore:
         s = self.state
         if event.kind == "migration":
             s.metrics.count_error("migration")
+            if request.decoded:  # the decode worker imported it: only its answer to the sender was lost
+                return self._migrated_anyway(request, event.message, event)
             if event.held:  # the prefill worker still holds the blocks: send them elsewhere
                 return [ResendHeld(request, request.decode, event.message)]
             return self.resume(request, request.decode, event.message, now)
@@ -314,6 +316,19 @@ class ClusterCore:
         error = InvalidRequest if event.kind == "refused" else \
             ServiceUnavailable if event.kind == "hold_expired" else InternalError
         return self.fail(request, error(f"{worker.name}: {event.message}"))
+
+    def _migrated_anyway(self, request: RequestState, why: str,
+                         event: RequestFailed | None = None) -> list[Action]:
+        """The decode worker imported the request (Imported or its tokens came under this epoch),
+        but its `Migrated` will never come: the sender's migration failed on its side (the
+        receiver's ack was lost or late: `event`, whose held blocks are dropped) or the prefill
+        worker was lost. The request goes on where it is, and finishes with its last token; it
+        is not moved or failed (found by the simulation: `dst`)."""
+        request.migration = {"to": request.decode, "sender_error": why}
+        actions: list[Action] = []
+        if event is not None and event.held:
+            actions.append(Tell(self.state.workers[request.prefill], DropHeld(request.rid, event.epoch)))
+        return actions + self._maybe_finish(request)
 
     def _advance(self, request: RequestState, phase: Phase) -> None:
         """Move the ledger forward to `phase`, through MIGRATING when events arrive out of order."""
@@ -373,6 +388,9 @@ class ClusterCore:
                                                              "responding; the request was lost"))
             return []
         unmigrated = request.migration is None and not request.decoded
+        if request.prefill == worker.name and request.migration is None and request.decoded:
+            return self._migrated_anyway(request, f"prefill worker {worker.name} was lost before it "
+                                                  "reported the migration")
         on_prefill = request.prefill == worker.name and unmigrated
         if on_prefill and request.decode not in s.lost:
             return self.retry_prefill(request, worker.name, now)

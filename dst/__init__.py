@@ -2,11 +2,12 @@
 
 One process, one virtual clock, one simulated network: prefill and decode workers drive the real
 sans-IO sender steps (`transfer.session.SenderSession.*_steps`) and the real receiver
-(`transfer.receiver.MessageReceiver`) over the real allocators and pools (`kvcache`), and a small
-coordinator keeps the real ledger, reconciler and router (`coordinator.ledger`, `.reconcile`,
-`.router`). The network and the faults are what one transport declares (`dst.guarantees`, from
-its `transfer.registry` Guarantees). A seed decides everything: latencies, which pending message
-goes next, and the faults (`dst.faults`). Invariants are checked after every step
+(`transfer.receiver.MessageReceiver`) over the real allocators and pools (`kvcache`), and the
+coordinator is production's core (`coordinator.core.ClusterCore`: routing, the ledger and its
+reconciler, failover) under a simulated driver (`dst.coordinator`). The network and the faults
+are what one transport declares (`dst.guarantees`, from its `transfer.registry` Guarantees). A
+seed decides everything: latencies, which pending message goes next, and the faults
+(`dst.faults`). Invariants are checked after every step
 (`dst.invariants`); a failing seed prints the one-line command that replays it and its fault
 schedule shrunk to a minimal one (`dst.run`).
 Test-only mutants re-introduce known bugs to prove the simulator finds them (`dst.mutants`);

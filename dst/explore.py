@@ -99,7 +99,7 @@ def _state(world: World, faults_left: int) -> bytes:
         h.append((w.name, w.incarnation, tuple(a._ref), tuple(sorted((str(k), tuple(t.blocks), t.num_tokens)
                                                                       for k, t in m.tables.items()))))
         if w.role == "prefill":
-            h.append(tuple(sorted((j.rid, j.epoch, j.started) for j in w.jobs.values())))
+            h.append(tuple(sorted((j.rid, j.epoch, j.started, j.held) for j in w.jobs.values())))
             for d, s in sorted(w.sessions.items()):
                 ch = s.channel
                 h.append((d, s.token, s.plan is None, ch.conn, ch.connected, ch.pull, ch.offered,
@@ -113,7 +113,9 @@ def _state(world: World, faults_left: int) -> bytes:
                 h.append((ident, p.plan is None, p.token, p.pulled is None, p.source is None,
                           None if s is None else (s.manifest.request_id, s._next, s.nbytes)))
     c = world.coordinator
-    h.append(tuple(sorted((r.rid, r.epoch, r.tokens, r.migrated) for r in c.live.values())))
+    h.append(tuple(sorted((r.rid, r.state.epoch, r.state.prefill, r.state.decode, tuple(r.state.tokens[0]),
+                           r.state.migration is None, r.state.decoded) for r in c.live.values())))
+    h.append(tuple(sorted((e.request_id, e.phase.value, e.owner, e.epoch) for e in c.ledger.active())))
     h.append(tuple(sorted(c.outcomes.items())))
     h.append(faults_left)
     return hashlib.blake2b(repr(h).encode(), digest_size=16).digest()

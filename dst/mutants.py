@@ -31,8 +31,8 @@ def _late_migrated():
 
     real = Reconciler.check
 
-    def check(self, worker, role, stats, holdings, assigned, generated=frozenset()):
-        return real(self, worker, role, stats, holdings, assigned, frozenset())
+    def check(self, worker, role, stats, holdings, assigned, generated=frozenset(), now=None):
+        return real(self, worker, role, stats, holdings, assigned, frozenset(), now)
     return Reconciler, "check", check
 
 
@@ -42,13 +42,13 @@ def _late_submit():
 
     real = Reconciler.check
 
-    def check(self, worker, role, stats, holdings, assigned, generated=frozenset()):
+    def check(self, worker, role, stats, holdings, assigned, generated=frozenset(), now=None):
         for entry in self.ledger.active():  # as if listed already: vanished as soon as it is not
             responsible = entry.owner == worker and (
                 entry.phase is Phase.DECODING or (entry.phase is Phase.PREFILLING and role == "prefill"))
             if responsible:
                 self._listed[(worker, entry.request_id)] = entry.epoch
-        return real(self, worker, role, stats, holdings, assigned, generated)
+        return real(self, worker, role, stats, holdings, assigned, generated, now)
     return Reconciler, "check", check
 
 

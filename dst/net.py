@@ -23,6 +23,7 @@ from dst.faults import MESSAGE_FAULTS, Fault
 from dst.guarantees import NetModel, net_model
 
 WORLD = "world"  # the node world faults run on
+COORDINATOR = "coord"  # the coordinator's node (commands and reports: production's protocol.messages)
 
 
 @dataclass

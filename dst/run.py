@@ -44,6 +44,7 @@ def run_seeds(first: int, count: int, *, mutant_name: str | None = None, stop_at
     totals = {"seeds": 0, "answered": 0, "failed": 0, "faults": 0, "steps": 0}
     logging.getLogger("coordinator.reconcile").setLevel(logging.ERROR)  # discrepancies are expected here
     logging.getLogger("transfer.refusals").setLevel(logging.ERROR)
+    logging.getLogger("coordinator.core").setLevel(logging.ERROR)  # failover is what is simulated
     with mutant(mutant_name):
         for seed in range(first, first + count):
             out = run_seed(seed, **world)

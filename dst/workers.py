@@ -1,14 +1,21 @@
 """Simulated prefill and decode workers: the real pools and the real protocol, no engine.
 
-A prefill worker takes a `Submit`, writes the fake model's K/V for the prompt into its pool
-(`dst.model`), and migrates it with the real sender steps (`SenderSession.migrate_steps`) driven
-by `dst.channel.Task`, one migration at a time per decode worker; it reports `Migrated` or
-`MigrationFailed`. Exports it could not hand over stay leased until their virtual lease expires.
-A decode worker admits only transfers its coordinator reserved (request, epoch, sender), serves
-them with the real receiver (`SimReceiver`), checks every committed sequence's bytes against the
-fake model, then decodes the fake model's tokens and reports them. Both report their holdings
-periodically, as real workers do. `crash` restarts a worker: its memory is lost, its pool kept
-(the bytes stay, the allocator is new) or wiped.
+They speak production's commands and events (`protocol.messages`): a worker's events go to the
+coordinator inside a `WorkerReport` with its holdings, sent at once, and periodically without
+events, as real workers report.
+
+A prefill worker takes a `Submit` (prompt + the tokens already generated, on a resume), writes
+the fake model's K/V for it into its pool (`dst.model`), and migrates it with the real sender
+steps (`SenderSession.migrate_steps`) driven by `dst.channel.Task`, one migration at a time per
+decode worker; it reports `Migrated`, or `RequestFailed(kind="migration", held=True)` and keeps
+the blocks for a `Resend` to another decode worker, until `DropHeld`, `Abort` or `hold_s` passes
+(then `RequestFailed(kind="hold_expired")`), as `prefill_worker.handler` does. Exports it could
+not hand over stay leased until their virtual lease expires. A decode worker admits only
+transfers its coordinator reserved (request, epoch, sender), serves them with the real receiver
+(`SimReceiver`), checks every committed sequence's bytes against the fake model, then decodes
+the fake model's tokens and reports them (`Imported`, then `Tokens` at their output position).
+`crash` restarts a worker: its memory is lost, its pool kept (the bytes stay, the allocator is
+new) or wiped.
 """
 
 from __future__ import annotations
@@ -16,18 +23,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dst.channel import SimAdvert, SimChannel, SimReceiver, SimSource, Task
-from dst.control_messages import (
-    COORDINATOR,
+from dst.model import LAYOUT, kv_matches, make_manager, next_token, write_kv
+from dst.net import COORDINATOR
+from kvcache import BlockAllocator, KVCacheManager
+from protocol.messages import (
     Abort,
+    DropHeld,
     Imported,
     Migrated,
-    MigrationFailed,
-    Report,
+    RequestFailed,
+    Resend,
     Submit,
     Tokens,
+    WorkerReport,
 )
-from dst.model import LAYOUT, kv_matches, make_manager, next_token, write_kv
-from kvcache import BlockAllocator, KVCacheManager
 from transfer.epochs import EpochGuard
 from transfer.errors import TransferError
 from transfer.metrics import TransferMetrics
@@ -53,6 +62,10 @@ class SimConfig:
     prefill_s: float = 0.002
     decode_step_s: float = 0.02
     request_timeout_s: float = 3.0
+    hold_s: float = 0.6  # a prefill worker keeps a failed migration's blocks this long for a Resend
+    # above the longest a delayed report can be late (dst.net), so a slow link is never a death
+    heartbeat_timeout_s: float = 2.5
+    monitor_s: float = 0.1
 
 
 class Leases:
@@ -88,6 +101,7 @@ class Job:
     state: DecodeState | None = None
     task: Task | None = None
     started: bool = False
+    held: bool = False  # its migration failed: the blocks wait for a Resend
 
 
 class Worker:
@@ -115,11 +129,17 @@ class Worker:
         self.manager = KVCacheManager(BlockAllocator(self.cfg.blocks), LAYOUT.block_size, storage)
         self.boot()
 
+    def report(self, *events) -> None:
+        """A WorkerReport to the coordinator: the stats and holdings now, and `events`."""
+        a = self.manager.allocator
+        stats = {"used_blocks": a.num_used, "free_blocks": a.num_free, "total_blocks": self.cfg.blocks,
+                 "queue_depth": 0}
+        self.net.send(self.name, COORDINATOR, WorkerReport(self.name, stats, self.holdings(), list(events)))
+
     def _report_loop(self) -> None:
         """Report every report_s while anything is live here or at the coordinator, then a few more
         (the reconciler needs MIN_REPORTS of them to act); a message arriving starts it again."""
-        self.net.send(self.name, COORDINATOR, Report(self.name, self.role, self.incarnation, self.holdings(),
-                                                     self.manager.allocator.num_used))
+        self.report()
         busy = self.busy() or self.net.nodes[COORDINATOR].live
         if busy or self.quiet_reports < MIN_QUIET_REPORTS:
             self.quiet_reports = 0 if busy else self.quiet_reports + 1
@@ -180,33 +200,53 @@ class PrefillWorker(Worker):
         if isinstance(msg, Submit):
             self.submit(msg)
         elif isinstance(msg, Abort):
-            self.drop(msg.rid)
+            self.drop(msg.request_id)
+        elif isinstance(msg, DropHeld):
+            job = self.jobs.get(msg.request_id)
+            if job is not None and job.held and job.epoch == msg.epoch:
+                self.drop(msg.request_id)
         elif isinstance(msg, list):  # a KV reply: to the connection it answers
             for s in self.sessions.values():
                 if s.channel.conn == env.conn:
                     s.channel.arrive(msg)
 
     def submit(self, cmd: Submit) -> None:
-        old = self.jobs.get(cmd.rid)
+        rid = cmd.request_id
+        old = self.jobs.get(rid)
         if old is not None:
             if old.epoch >= cmd.epoch:
                 return  # a duplicate, or older than what runs
-            self.drop(cmd.rid)
-        self.ever.add(cmd.rid)
-        seq = f"{cmd.rid}@{cmd.epoch}"
-        prompt = list(cmd.prompt)
+            self.drop(rid)
+        self.ever.add(rid)
+        seq = f"{rid}@{cmd.epoch}"
+        prompt = list(cmd.prompt_ids) + list(cmd.generated)
         hit = self.manager.allocate(seq, prompt)
         if hit is None:
-            self.net.send(self.name, COORDINATOR, MigrationFailed(cmd.rid, cmd.epoch, self.name, "no room"))
+            self.report(RequestFailed(rid, cmd.epoch, "no_room", f"{self.name}: no room to prefill"))
             return
         write_kv(self.manager, seq, hit, len(prompt))
         self.manager.mark_computed(seq, len(prompt))
-        job = self.jobs[cmd.rid] = Job(cmd.rid, cmd.epoch, seq, cmd.decode,
-                                       DecodeState(token_ids=prompt + [next_token(prompt)]))
-        queue = self.queues.setdefault(cmd.decode, [])
+        job = self.jobs[rid] = Job(rid, cmd.epoch, seq, cmd.decode_worker,
+                                   DecodeState(token_ids=prompt + [next_token(prompt)]))
+        self._queue(job, self.cfg.prefill_s)
+
+    def _queue(self, job: Job, after: float) -> None:
+        """Migrate `job` to its decode worker once the jobs queued for it before are done."""
+        queue = self.queues.setdefault(job.decode, [])
         queue.append(job)
         if len(queue) == 1:
-            self.net.timer(self.name, self.net.now + self.cfg.prefill_s, lambda: self._next(cmd.decode))
+            self.net.timer(self.name, self.net.now + after, lambda: self._next(job.decode))
+
+    def resend(self, cmd: Resend) -> str | None:
+        """The coordinator's Resend (an awaited call, as a reservation): migrate the held blocks to
+        another decode worker under the new epoch; the error when the request is not held here."""
+        job = self.jobs.get(cmd.request_id)
+        if job is None or not job.held:
+            return f"request {cmd.request_id} is not held on {self.name}"
+        job.held, job.started, job.task = False, False, None
+        job.decode, job.epoch = cmd.decode_worker, cmd.epoch
+        self._queue(job, 0.0)
+        return None
 
     def _next(self, decode: str) -> None:
         queue = self.queues.get(decode, [])
@@ -225,22 +265,34 @@ class PrefillWorker(Worker):
         if error is not None and not isinstance(error, TransferError):
             raise Violation(f"{self.name}: the sender's steps raised {type(error).__name__}: {error}")
         if self.jobs.get(job.rid) is job:
-            del self.jobs[job.rid]
-            self.manager.free(job.seq)
-            event = (Migrated(job.rid, job.epoch, self.name) if error is None
-                     else MigrationFailed(job.rid, job.epoch, self.name, type(error).__name__))
-            self.net.send(self.name, COORDINATOR, event)
+            if error is None:
+                del self.jobs[job.rid]
+                self.manager.free(job.seq)
+                self.report(Migrated(job.rid, job.decode, job.epoch, 0.0, 0, 0, 0, 1, "sim"))
+            else:  # held for a Resend, as prefill_worker.handler keeps it
+                job.held = True
+                epoch = job.epoch
+                self.net.timer(self.name, self.net.now + self.cfg.hold_s, lambda: self._expire(job, epoch))
+                why = f"migration to {job.decode} failed: {type(error).__name__}"
+                self.report(RequestFailed(job.rid, job.epoch, "migration", why, held=True))
         queue = self.queues.get(job.decode, [])
         if queue and queue[0] is job:
             queue.pop(0)
         self.net.timer(self.name, self.net.now, lambda: self._next(job.decode))
+
+    def _expire(self, job: Job, epoch: int) -> None:
+        """No Resend came within hold_s: the blocks go back, and the coordinator is told."""
+        if self.jobs.get(job.rid) is job and job.held and job.epoch == epoch:
+            self.drop(job.rid)
+            self.report(RequestFailed(job.rid, epoch, "hold_expired",
+                                      f"no decode worker took the held KV within {self.cfg.hold_s:g}s"))
 
     def drop(self, rid: str) -> None:
         """Abort: the migration's steps are abandoned where they wait; its lease runs out by itself."""
         job = self.jobs.pop(rid, None)
         if job is None:
             return
-        if job.task is not None:
+        if job.task is not None and not job.held:
             job.task.abandon()
         self.manager.free(job.seq)
         queue = self.queues.get(job.decode, [])
@@ -255,6 +307,7 @@ class Running:
     epoch: int
     prompt_len: int
     max_tokens: int
+    start: int  # the output position its first token has (tokens generated before a resume)
     generated: list = field(default_factory=list)
 
 
@@ -263,7 +316,7 @@ class DecodeWorker(Worker):
 
     def boot(self) -> None:
         self.metrics = TransferMetrics()
-        self.reserved: dict[str, tuple[int, str, int]] = {}  # rid -> (epoch, sender, max tokens)
+        self.reserved: dict[str, tuple[int, str, int, int]] = {}  # rid -> (epoch, sender, max tokens, start)
         self.running: dict[str, Running] = {}
         self.receiver = SimReceiver(self.net, self.name, self.manager, self.tcfg, admission=self,
                                     epochs=EpochGuard(), metrics=self.metrics, stage=self.net.stage)
@@ -296,22 +349,24 @@ class DecodeWorker(Worker):
         r = self.reserved.get(transfer_id.rpartition("/")[0])
         return r is not None and r[1] == peer
 
-    def reserve(self, rid: str, epoch: int, sender: str, max_tokens: int) -> None:
-        """The coordinator's reservation (an awaited call: no fault touches it); a newer one of a
-        request this worker still runs ends the older attempt here."""
+    def reserve(self, rid: str, epoch: int, sender: str, max_tokens: int, start: int = 0) -> bool:
+        """The coordinator's reservation (an awaited call: no fault touches it), always granted; a
+        newer one of a request this worker still runs ends the older attempt here. max_tokens:
+        this attempt's; start: the output position of its first token."""
         self.ever.add(rid)
         self._end(rid)
         self.receiver.abort_request(rid)
-        self.reserved[rid] = (epoch, sender, max_tokens)
+        self.reserved[rid] = (epoch, sender, max_tokens, start)
+        return True
 
     # ---- messages -------------------------------------------------------------------------------------
     def on_message(self, env) -> None:
         msg = env.payload
         self.wake()
         if isinstance(msg, Abort):
-            self.reserved.pop(msg.rid, None)
-            self.receiver.abort_request(msg.rid)
-            self._end(msg.rid)
+            self.reserved.pop(msg.request_id, None)
+            self.receiver.abort_request(msg.request_id)
+            self._end(msg.request_id)
             return
         try:
             result = self.receiver.receive(env.conn, msg)
@@ -337,9 +392,9 @@ class DecodeWorker(Worker):
             return
         del self.reserved[rid]
         state = result.state
-        run = self.running[rid] = Running(result.seq_id, result.epoch, table.num_tokens, r[2],
+        run = self.running[rid] = Running(result.seq_id, result.epoch, table.num_tokens, r[2], r[3],
                                           list(state.token_ids[table.num_tokens:]))
-        self.net.send(self.name, COORDINATOR, Imported(rid, result.epoch, self.name))
+        self.report(Imported(rid, 0, result.epoch, len(table.blocks), 0, 0.0))
         if not self.manager.append(run.seq, run.generated):
             self._fail(rid, "no room to decode")
             return
@@ -353,8 +408,8 @@ class DecodeWorker(Worker):
         write_kv(self.manager, run.seq, n - 1, n)
         self.manager.mark_computed(run.seq, n)
         if len(run.generated) >= run.max_tokens:
-            self.net.send(self.name, COORDINATOR, Tokens(rid, run.epoch, self.name, tuple(run.generated)))
             self._end(rid)
+            self.report(Tokens(rid, 0, run.start, list(run.generated), "length"))
             return
         token = next_token(t.token_ids)
         if not self.manager.append(run.seq, [token]):
@@ -366,7 +421,7 @@ class DecodeWorker(Worker):
     def _fail(self, rid: str, why: str) -> None:
         run = self.running.get(rid)
         self._end(rid)
-        self.net.send(self.name, COORDINATOR, MigrationFailed(rid, run.epoch if run else 0, self.name, why))
+        self.report(RequestFailed(rid, run.epoch if run else 0, "decode", f"{self.name}: {why}"))
 
     def _end(self, rid: str) -> None:
         run = self.running.pop(rid, None)

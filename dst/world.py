@@ -79,10 +79,11 @@ class World:
         prefills = [w for w in self.workers.values() if w.role == "prefill"]
         decodes = [w for w in self.workers.values() if w.role == "decode"]
         rids = self.request_ids
-        if f.kind == "crash_decode":
-            decodes[f.arg % len(decodes)].crash(wipe=bool(f.arg >> 4 & 1))
-        elif f.kind == "crash_prefill":
-            prefills[f.arg % len(prefills)].crash(wipe=bool(f.arg >> 4 & 1))
+        if f.kind in ("crash_decode", "crash_prefill"):
+            role = decodes if f.kind == "crash_decode" else prefills
+            victim = role[f.arg % len(role)]
+            victim.crash(wipe=bool(f.arg >> 4 & 1))
+            self.coordinator.crashed(victim.name)  # Ray tells the coordinator's driver at once
         elif f.kind == "cancel":
             self.coordinator.cancel(rids[f.arg % len(rids)])
         elif f.kind == "supersede":

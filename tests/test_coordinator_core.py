@@ -303,6 +303,40 @@ def test_a_failed_migration_with_held_blocks_is_resent_under_a_new_epoch_else_re
     assert isinstance(actions[-1], Redispatch) and request.resumed == 3  # each resend, and the resume
 
 
+
+def test_a_migration_the_sender_failed_after_the_decode_worker_imported_it_finishes_there():
+    """The receiver committed and decoded, but its ack to the sender was lost or late: the prefill
+    worker reports a failed migration holding the blocks. The request is not moved (with one
+    decode worker it used to fail with 503 after every token had arrived; found by `dst`)."""
+    core = make_core(decode=1)
+    request, epoch, *_ = admitted(core)
+    core.on_message(report("decode-0", {"r1": 2}, [Tokens("r1", 0, 0, [7, 8], "length")]), T0)
+    assert outputs(request) == [TokenEvent(0, (7, 8), "length")]  # waits for the Migrated report
+    failed = RequestFailed("r1", epoch, "migration", "no ack within the timeout", held=True)
+    actions = core.on_message(report("prefill-0", {"r1": 2}, [failed]), T0 + 1)
+    (final,) = outputs(request)
+    assert isinstance(final, FinalEvent)
+    assert final.info["migration"]["sender_error"] == "no ack within the timeout"
+    drops = [a.command for a in actions if isinstance(a, Tell) and isinstance(a.command, DropHeld)]
+    assert drops == [DropHeld("r1", epoch)] and not any(isinstance(a, ResendHeld) for a in actions)
+    assert core.state.ledger.get("r1").phase is Phase.FINISHED
+
+
+def test_a_prefill_worker_lost_after_the_decode_worker_imported_does_not_leave_the_request_waiting():
+    """Its Migrated report died with it: the request finishes with its last token instead of
+    waiting for a report that cannot come (it used to end only at the event timeout; `dst`)."""
+    core = make_core()
+    request, epoch, *_ = admitted(core)
+    core.on_message(report("decode-0", {"r1": 2}, [Tokens("r1", 0, 0, [7])]), T0)
+    core.mark_dead("prefill-0", "ActorDiedError")
+    actions = core.check_liveness(T0 + 1)
+    assert not any(isinstance(a, (RetryPrefill, Redispatch)) for a in actions)  # it stays where it is
+    assert request.migration["sender_error"].startswith("prefill worker prefill-0 was lost")
+    assert outputs(request) == [TokenEvent(0, (7,))]
+    core.on_message(report("decode-0", {"r1": 2}, [Tokens("r1", 0, 1, [8], "length")]), T0 + 2)
+    *_, final = outputs(request)
+    assert isinstance(final, FinalEvent) and core.state.ledger.get("r1").phase is Phase.FINISHED
+
 # ---- draining and scaling ----------------------------------------------------------------------
 def test_drain_refuses_an_unknown_worker_the_last_of_its_role_and_a_second_drain():
     core = make_core(prefill=1)

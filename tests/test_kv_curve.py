@@ -111,7 +111,9 @@ def test_a_migration_sent_after_a_failed_handshake_ends_with_its_cause(src):
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
+    # ZMTP 3.0 greeting of a CURVE server: signature, version, mechanism, as-server, filler
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x01" \
+        + b"\x00" * 31
     fp = src.storage.layout.fingerprint()
     tx = ZmqSender(fp, TransportConfig(address=f"tcp://127.0.0.1:{port}", connect_timeout_s=300.0))
     outcome = []
