@@ -45,6 +45,14 @@ class Pending:
     then: object = None
 
 
+@dataclass
+class Later:
+    """A result not there yet and not a reply (a streamed migration's next blocks, still being
+    computed): `park(task)` arranges for `task` to be resumed with it."""
+
+    park: object
+
+
 class Task:
     """Drives one step generator (`transfer.session`'s) on the simulated network: each `Call` is made
     on the sim channel; a `Pending` parks the steps until the channel resumes them. done(value,
@@ -74,6 +82,9 @@ class Task:
                 continue
             if isinstance(out, Pending):
                 call.target.channel_of().park(self, out)
+                return
+            if isinstance(out, Later):
+                out.park(self)
                 return
             result, error = out, None
 

@@ -99,7 +99,8 @@ def _state(world: World, faults_left: int) -> bytes:
         h.append((w.name, w.incarnation, tuple(a._ref), tuple(sorted((str(k), tuple(t.blocks), t.num_tokens)
                                                                       for k, t in m.tables.items()))))
         if w.role == "prefill":
-            h.append(tuple(sorted((j.rid, j.epoch, j.started, j.held) for j in w.jobs.values())))
+            h.append(tuple(sorted((j.rid, j.epoch, j.started, j.held, j.feed.done if j.feed else None)
+                                  for j in w.jobs.values())))
             for d, s in sorted(w.sessions.items()):
                 ch = s.channel
                 h.append((d, s.token, s.plan is None, ch.conn, ch.connected, ch.pull, ch.offered,
@@ -124,14 +125,15 @@ def _state(world: World, faults_left: int) -> bytes:
 def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, kinds=KINDS,
             mutant_name: str | None = None, time_limit_s: float = 600.0, max_steps: int = 2000,
             seed: int = 0, stage: bool = True, max_runs: int | None = None, first: list[int] = (),
-            transport="zmq") -> dict:
+            transport="zmq", stream: bool = False) -> dict:
     """Every run of the small case (see the module docstring), the decode worker landing through
     staging or not (`stage`). Returns runs, distinct states, seconds, `complete` (every run was
     explored: not stopped by a violation, `time_limit_s` or `max_runs`), and the first violation
     (with the faults and the choices that reach it), or None. first: the choices to start from (a
     violation's `choices` with max_runs=1 replays it). transport: whose declared guarantees it models
     (`dst.guarantees`): only the `kinds` it allows are placed, and the decode worker reads the
-    sender's pool only where the transport reads one-sided."""
+    sender's pool only where the transport reads one-sided. stream: the prefill worker migrates
+    while it computes the prompt (`dst.workers.StreamFeed`)."""
     logging.getLogger("coordinator.reconcile").setLevel(logging.ERROR)
     logging.getLogger("transfer.refusals").setLevel(logging.ERROR)
     cfg = SimConfig(prefills=1, decodes=1, reports=False)
@@ -145,7 +147,7 @@ def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, k
             runs += 1
             chooser = _Chooser(prefix, max_faults, max_messages, kinds)
             world = World(seed, [], cfg=cfg, requests=requests, pull=model.pulls, stage=stage,
-                          transport=model)
+                          stream=stream, transport=model)
             world.net.choose_faults = chooser.faults_at
             try:
                 while world.net.pending and world.steps < max_steps:

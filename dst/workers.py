@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dst.channel import SimAdvert, SimChannel, SimReceiver, SimSource, Task
+from dst.channel import Later, SimAdvert, SimChannel, SimReceiver, SimSource, Task
 from dst.model import LAYOUT, kv_matches, make_manager, next_token, write_kv
 from dst.net import COORDINATOR
 from kvcache import BlockAllocator, KVCacheManager
@@ -102,6 +102,50 @@ class Job:
     task: Task | None = None
     started: bool = False
     held: bool = False  # its migration failed: the blocks wait for a Resend
+    feed: StreamFeed | None = None  # a streamed migration's prefill (the first attempt only)
+
+
+class StreamFeed:
+    """The prefill of a job migrated while it is computed (`SenderSession.migrate_streamed_steps`):
+    one chunk of `CHUNK_TOKENS` every `prefill_s`, each item the blocks that chunk completed and
+    the last one with the DecodeState. Each item is a `Later`: the steps wait for the chunk."""
+
+    CHUNK_TOKENS = 3  # not a block's 4: chunks end inside blocks, and some complete none
+
+    def __init__(self, worker: PrefillWorker, job: Job, computed: int):
+        self.worker, self.job = worker, job
+        self.done, self.sent, self.ended = computed, 0, False  # tokens computed, blocks handed over
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Later:
+        if self.ended:
+            raise StopIteration
+        return Later(self._park)
+
+    def _park(self, task: Task) -> None:
+        w, job = self.worker, self.job
+
+        def chunk():
+            if not task.finished and w.jobs.get(job.rid) is job:  # else dropped, or the task gave up
+                task.resume(self._compute(), None)
+        w.net.timer(w.name, w.net.now + w.cfg.prefill_s, chunk)
+
+    def _compute(self):
+        manager, seq, n = self.worker.manager, self.job.seq, len(self.job.state.token_ids) - 1
+        end = min(n, self.done + self.CHUNK_TOKENS)
+        write_kv(manager, seq, self.done, end)
+        self.done = end
+        table, B = manager.table(seq), LAYOUT.block_size
+        full = end // B if end < n else -(-n // B)
+        blocks = [(i, table.blocks[i]) for i in range(self.sent, full)]
+        self.sent = full
+        if end < n:
+            return blocks
+        manager.mark_computed(seq, n)
+        self.ended = True
+        return blocks, self.job.state
 
 
 class Worker:
@@ -224,10 +268,14 @@ class PrefillWorker(Worker):
         if hit is None:
             self.report(RequestFailed(rid, cmd.epoch, "no_room", f"{self.name}: no room to prefill"))
             return
-        write_kv(self.manager, seq, hit, len(prompt))
-        self.manager.mark_computed(seq, len(prompt))
         job = self.jobs[rid] = Job(rid, cmd.epoch, seq, cmd.decode_worker,
                                    DecodeState(token_ids=prompt + [next_token(prompt)]))
+        if self.net.stream:  # migrated while computed: the feed writes the K/V chunk by chunk
+            job.feed = StreamFeed(self, job, hit)
+            self._queue(job, 0.0)
+            return
+        write_kv(self.manager, seq, hit, len(prompt))
+        self.manager.mark_computed(seq, len(prompt))
         self._queue(job, self.cfg.prefill_s)
 
     def _queue(self, job: Job, after: float) -> None:
@@ -244,6 +292,10 @@ class PrefillWorker(Worker):
         if job is None or not job.held:
             return f"request {cmd.request_id} is not held on {self.name}"
         job.held, job.started, job.task = False, False, None
+        if job.feed is not None and not job.feed.ended:  # the stream broke mid-prefill: finish it first
+            write_kv(self.manager, job.seq, job.feed.done, len(job.state.token_ids) - 1)
+            self.manager.mark_computed(job.seq, len(job.state.token_ids) - 1)
+        job.feed = None  # a resend sends the held blocks whole
         job.decode, job.epoch = cmd.decode_worker, cmd.epoch
         self._queue(job, 0.0)
         return None
@@ -256,8 +308,14 @@ class PrefillWorker(Worker):
             return
         job = queue[0]
         job.started = True
-        steps = self.session(decode).migrate_steps(self.manager, job.seq, f"{job.rid}/0", job.epoch,
-                                                   job.state, leases=self.leases)
+        session = self.session(decode)
+        if job.feed is not None:
+            prompt = job.state.token_ids[:-1]
+            steps = session.migrate_streamed_steps(self.manager, f"{job.rid}/0", job.epoch, prompt, {},
+                                                   job.feed)
+        else:
+            steps = session.migrate_steps(self.manager, job.seq, f"{job.rid}/0", job.epoch, job.state,
+                                          leases=self.leases)
         job.task = Task(steps, lambda value, error: self._migrated(job, value, error))
         job.task.start()
 

@@ -30,7 +30,7 @@ def transport_config() -> TransportConfig:
 class World:
     def __init__(self, seed: int, faults: list[Fault] | None = None, *, cfg: SimConfig | None = None,
                  requests: int | None = None, pull: bool | None = None, stage: bool | None = None,
-                 transport: str | NetModel = "zmq"):
+                 stream: bool | None = None, transport: str | NetModel = "zmq"):
         """faults: the schedule to replay (None: drawn from the seed's rates as it runs; either way
         `faults` is the schedule that fired). transport: whose declared guarantees the network and
         the faults model (`dst.guarantees`); a scheduled fault it does not allow is a ValueError."""
@@ -48,6 +48,10 @@ class World:
         self.net.pull = drawn if pull is None else pull  # prefill workers offer their pool to read from
         drawn = rng.random() < 0.5  # decode workers land payloads through staging (a device pool's way)
         self.net.stage = drawn if stage is None else stage
+        # prefill workers migrate while they compute (streamed); from its own draw, so that the
+        # seeds' other draws stay as they were before streamed migrations were simulated
+        drawn = random.Random(seed ^ 0x57EA).random() < 0.5
+        self.net.stream = drawn if stream is None else stream
         self.net.on_world_fault = self._world_fault
         self.net.nodes[WORLD] = self
         self.incarnation, self.request_ids, self._dirty = 0, [], False

@@ -39,7 +39,8 @@ from transfer.wire_messages import Ack, Final, Held, HelloReply, Query
 @dataclass(frozen=True)
 class Call:
     """One channel operation a step generator asks for: `target.name(*args, **kwargs)`, where
-    target is the session's channel (`transfer.channel.SenderChannel`) or a transfer it opened."""
+    target is the session's channel (`transfer.channel.SenderChannel`), a transfer it opened, or
+    the session itself for `next_units` (a feed's next item, which a streamed migration waits for)."""
 
     target: object
     name: str
@@ -159,9 +160,14 @@ class SenderSession:
         deadline = self.clock() + limit
         xfer = yield from self._call(self.channel, "open", self.token, manifest, bodies, frames,
                                      streamed=streamed, deadline=float("inf") if streamed else deadline)
-        ok, final = True, None
+        ok, final, feed = True, None, iter(feed)
         try:
-            for item in feed:
+            while True:
+                # the next payload units: a call, because in a streamed migration it waits for the
+                # prefill to compute them (production blocks on the engine; the simulation parks)
+                item = yield from self._call(self, "next_units", feed)
+                if item is None:
+                    break
                 last = isinstance(item, tuple)  # (the last units, the final state): the prefill is done
                 units = item[0] if last else item
                 batch = pieces(units)
@@ -190,6 +196,11 @@ class SenderSession:
         self.metrics.add("transfers")
         self.metrics.add("bytes_sent", ack.nbytes)
         return ack, t1
+
+    @staticmethod
+    def next_units(feed):
+        """The feed's next item, or None once it ended (a Call target: see `_transfer`)."""
+        return next(feed, None)
 
     def export_config(self, storage, *, lease: bool = True):
         """How a whole payload of `storage` (the sending pool) is exported on this connection. One
@@ -297,26 +308,20 @@ class SenderSession:
         sx = StreamedExport(manager, request_id, epoch, token_ids, sampling, extra_key, reuse=reuse,
                             reuse_block_size=plan.dst_block_size if reuse else 0,
                             chunk_bytes=self.config.chunk_bytes, limits=self.config.limits)
-        m, sent = sx.manifest, [0]
+        m, sent, before_last = sx.manifest, [0], [0]
 
         def pieces(blocks):
+            before_last[0] = sent[0]  # once the final item came: the bytes sent while prefilling
             sent[0] += sx.nbytes(blocks)
             return sx.chunks(blocks)
 
         def final_of(state):
             return seal(encode(Final(m.request_id, m.epoch, state)))
 
-        def fed():  # counts the bytes sent before the final item
-            for item in feed:
-                if isinstance(item, tuple):
-                    early_bytes[0] = sent[0]
-                yield item
-
-        early_bytes = [0]
         limit = timeout or self.config.transfer_timeout_s
-        ack, t1 = yield from self._transfer(m, fed(), pieces, limit, final_of=final_of)
+        ack, t1 = yield from self._transfer(m, feed, pieces, limit, final_of=final_of)
         self.last_phases = {"streamed_ms": (t1 - t0) * 1e3, "exposed_ms": (time.perf_counter() - t1) * 1e3,
-                            "overlap_pct": 100.0 * early_bytes[0] / max(1, m.payload_bytes),
+                            "overlap_pct": 100.0 * before_last[0] / max(1, m.payload_bytes),
                             **{k: v for k, v in ack.timings.items() if k in RECEIVER_PHASES}}
         return ack
 
