@@ -1,12 +1,13 @@
 """The simulated KV channel: both of its sides, over `dst.net.Network`.
 
-Sending side: `SimChannel` meets `transfer.channel.SenderChannel` with the ZeroMQ channel's wire
-(control messages, payload chunks as "D" messages behind the manifest, a same-node pool read by
-the receiver: "M", "P", then "K"), but never blocks: an operation that waits for a reply returns a
-`Pending`, and `Task` (the simulation's driver of the sender's step generators) parks the steps
-until the reply arrives or the virtual deadline passes (then, as ZeroMQ's channel does, the
-connection is reset and TransferTimeout thrown in). Replies queue on the connection and a wait
-discards the ones it does not want, as a DEALER socket's reader does.
+Sending side: `SimChannel` is production's message channel (`transfer.channels.message_channel`:
+the control requests, the pool offer, pushed transfers as "M"/"W", "D" chunks and "E"/"F", pulled
+ones as "M", "P" offsets and "K" checksums, the cancel) on a `SimPipe` instead of a socket, so the
+wire the simulation sends is the one production sends. Its one blocking wait returns a `Pending`
+instead, and `Task` (the simulation's driver of the sender's step generators) parks the steps
+until the reply arrives or the virtual deadline passes (then, as production's wait does, the
+connection is reset and TransferTimeout thrown in). A streamed migration's next blocks are a
+`Later`: the steps wait for the simulated prefill to compute them.
 
 Receiving side: `SimReceiver` is the real `transfer.receiver.MessageReceiver`, its messages carried
 by the network, its clock the virtual one. `SimSource` is the pool reader of `transfer.pull` for
@@ -15,7 +16,8 @@ refuses an offer from an earlier incarnation of that worker (its pool may be gon
 
 Delivery guarantees modelled: the transport's declared ones (`dst.guarantees`, applied by
 `dst.net.Network`); a one-sided pool read is a copy made when its offsets arrive, unless a
-`late_read` fault makes it miss its bound (`SimSource`).
+`late_read` fault makes it miss its bound (`SimSource`). What is not production's here: the
+socket (`SimPipe`) and the wait; the ZeroMQ bulk link and Ray's call batching are not simulated.
 """
 
 from __future__ import annotations
@@ -24,25 +26,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.channels.message_channel import MessageChannel
 from transfer.checksum import copy_hashed
 from transfer.errors import MalformedMessage, TransferError, TransferTimeout, TransportClosed
-from transfer.pull import encode_offsets
 from transfer.receiver import ListParts, MessageReceiver
 from transfer.session import Call
-from transfer.wire import DATA, TOKEN
-from transfer.wire_codec import decode, encode
-from transfer.wire_messages import Nack, PoolOffer, PoolReply
-
-_REQUESTS = {"hello": (b"H", b"h"), "query": (b"Q", b"q"), "pool": (b"U", b"u")}
+from transfer.wire_messages import PoolOffer
 
 
 @dataclass
 class Pending:
-    """A wait for a reply under one of `headers` until `deadline`; `then(body)` makes the result."""
+    """A wait for a reply under one of `headers` until `deadline`, on `channel`; `then(body)` makes
+    the result."""
 
     headers: tuple[bytes, ...]
     deadline: float
     then: object = None
+    channel: SimChannel | None = None
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Task:
                 result, error = None, e
                 continue
             if isinstance(out, Pending):
-                call.target.channel_of().park(self, out)
+                out.channel.park(self, out)
                 return
             if isinstance(out, Later):
                 out.park(self)
@@ -184,44 +184,79 @@ class SimSource:
         self.closed = True
 
 
-class SimChannel:
-    """The sending side of one connection from worker `src` to receiver `dst`."""
+class _Tracker:
+    """What a zero-copy send returns for a staging slot: here the bytes were copied at once."""
 
-    def __init__(self, net, src: str, dst: str, limits, inline_bytes: int, advert=None):
-        self.net, self.src, self.dst, self.limits = net, src, dst, limits
-        self.inline_bytes, self.advert = inline_bytes, advert
-        self.conn = self._new_conn()
-        self.connected, self.pull, self.offered = False, False, advert is None
+    done = True
+
+    def wait(self, timeout=None) -> None:
+        pass
+
+
+class SimPipe:
+    """The DEALER-like pipe of one connection (`message_channel`'s `sock`) on the simulated network:
+    each message is copied when sent (as a socket takes it) and delivered as the network decides;
+    replies queue in `inbox`."""
+
+    def __init__(self, channel: SimChannel, conn: bytes):
+        self.channel, self.conn = channel, conn
         self.inbox: list[list[bytes]] = []
+
+    def send_multipart(self, parts, copy: bool = True, track: bool = False, flags: int = 0):
+        ch = self.channel
+        ch.net.send(ch.src, ch.dst, [bytes(p) for p in parts], self.conn)
+        return _Tracker() if track else None
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return bool(self.inbox)
+
+    def recv_multipart(self) -> list[bytes]:
+        return self.inbox.pop(0)
+
+    def close(self, linger: int = 0) -> None:
+        self.inbox = []
+
+
+class SimChannel(MessageChannel):
+    """The sending side of one connection from worker `src` to receiver `dst`: production's message
+    channel (`transfer.channels.message_channel`: which messages a request, a pushed or a pulled
+    transfer sends, and when) on a `SimPipe`, with its one blocking wait (`wait`) turned into a
+    `Pending` the steps park on. The session asks `pulls` (a call, parked like a reply) before
+    every whole transfer, so `open` never waits."""
+
+    def __init__(self, net, src: str, dst: str, config, advert=None, metrics=None):
+        self.net, self.src, self.dst = net, src, dst
         self.waiting: tuple[Task, Pending] | None = None
-        self.stray = 0
+        super().__init__(config, metrics, advert, clock=net.clock)
+        self._open()
 
-    def _new_conn(self) -> bytes:
-        return f"{self.src}#{next(self.net.conn_ids)}".encode()
+    def _open(self) -> None:
+        self.sock = SimPipe(self, f"{self.src}#{next(self.net.conn_ids)}".encode())
 
-    def channel_of(self) -> SimChannel:
-        return self
+    @property
+    def conn(self) -> bytes:
+        return self.sock.conn
 
-    def put(self, parts) -> None:
-        self.net.send(self.src, self.dst, [bytes(p) for p in parts], self.conn)
+    @property
+    def inbox(self) -> list[list[bytes]]:
+        return self.sock.inbox
 
     # ---- replies --------------------------------------------------------------------------------
     def arrive(self, parts: list[bytes]) -> None:
         """A reply on this connection: queued, and handed to the parked steps if they wait for it."""
-        self.inbox.append(parts)
+        self.sock.inbox.append(parts)
         if self.waiting is not None:
             task, p = self.waiting
-            body = self._take(p.headers)
-            if body is not None:
+            got = self._take(p.headers)
+            if got is not None:
                 self.waiting = None
-                self._resume(task, p, body)
+                self._resume(task, p, got)
 
     def _take(self, headers) -> bytes | None:
-        while self.inbox:
-            parts = self.inbox.pop(0)
-            if len(parts) == 2 and (parts[0] in headers or parts[0] == b"N"):
-                return parts[1]
-            self.stray += 1
+        while self.sock.poll(0):
+            got = self.reply(headers)
+            if got is not None:
+                return got[1]
         return None
 
     def _resume(self, task: Task, p: Pending, body: bytes) -> None:
@@ -237,134 +272,17 @@ class SimChannel:
             self._resume(task, p, body)
             return
         self.waiting = (task, p)
-        conn = self.conn
+        sock = self.sock
 
         def expired():
-            if self.waiting is not None and self.waiting[1] is p and self.conn == conn:
+            if self.waiting is not None and self.waiting[1] is p and self.sock is sock:
                 self.waiting = None
                 self.reset()
                 task.resume(None, TransferTimeout(f"no reply from {self.dst} within the timeout"))
         self.net.timer(self.src, p.deadline, expired)
 
-    def wait(self, headers, deadline: float, then=None) -> Pending:
-        return Pending(tuple(headers), deadline, then)
-
-    def reset(self) -> None:
-        """A fresh connection: the receiver forgets this one's handshake; queued replies are lost."""
-        self.connected, self.inbox, self.conn = False, [], self._new_conn()
-
-    # ---- transfer.channel.SenderChannel -------------------------------------------------------------
-    def hello_fields(self) -> dict:
-        return {"stream": ""}
-
-    def request(self, kind: str, body: bytes, deadline: float) -> Pending:
-        header, answer = _REQUESTS[kind]
-        self.put([header, body])
-        return self.wait((answer,), deadline)
-
-    def accepted(self, reply) -> None:
-        self.connected, self.pull = True, False
-        self.offered = self.advert is None
-
-    def pulls(self):
-        if self.offered:
-            return self.pull
-        self.offered = True
-        self.put([b"U", encode(self.advert.offer())])
-
-        def then(body):
-            answer = decode(body, self.limits, (PoolReply, Nack))
-            self.pull = isinstance(answer, PoolReply) and answer.accepted
-            return self.pull
-        return self.wait((b"u",), self.net.now + 5.0, then)
-
-    def open(self, token: int, manifest, bodies, frames=None, *, streamed: bool = False,
-             deadline: float = float("inf")):
-        big = manifest.payload_bytes > self.inline_bytes
-        if not streamed and frames is not None and big and self.pull:
-            offsets = self.advert.offsets(frames)
-            if offsets is not None:
-                return SimPulled(self, token, bodies, offsets, manifest.checksum_mode == "inline")
-        return SimTransfer(self, token, bodies, streamed, deadline)
-
-    def close(self) -> None:
-        self.connected = False
-
-
-class SimPulled:
-    """A whole transfer the receiver reads from the sender's pool: "M", "P" offsets, then "K" sums."""
-
-    def __init__(self, ch: SimChannel, token: int, bodies, offsets, sums: bool):
-        self.ch, self.token, self.sums = ch, token, sums
-        for body in bodies:
-            ch.put([TOKEN.pack(b"M", token), body])
-        ch.put([TOKEN.pack(b"P", token), encode_offsets(offsets)])
-
-    def channel_of(self) -> SimChannel:
-        return self.ch
-
-    def send(self, items) -> bool:
-        """The checksums leave once hashed, while the receiver reads (a virtual 0.5-5 ms later)."""
-        if self.sums:
-            body = encode_offsets([cs for (_, _, _, cs), _ in items])
-            net, conn = self.ch.net, self.ch.conn
-
-            def hashed():
-                if self.ch.conn == conn:  # the connection was not reset meanwhile
-                    self.ch.put([TOKEN.pack(b"K", self.token), body])
-            net.timer(self.ch.src, net.now + net.rng.uniform(0.0005, 0.005), hashed)
-        return True
-
-    def end(self, final_body) -> None:
-        pass
-
-    def verdict(self, deadline: float) -> Pending:
-        return self.ch.wait((TOKEN.pack(b"A", self.token),), deadline)
-
-    def cancel(self) -> None:
-        pass
-
-
-class SimTransfer:
-    """A pushed transfer: "M" (whole) or "W" (streamed), "D" chunks, then "E" or "F"."""
-
-    def __init__(self, ch: SimChannel, token: int, bodies, streamed: bool, deadline: float):
-        self.ch, self.token, self.streamed, self.deadline = ch, token, streamed, deadline
-        self.ack = TOKEN.pack(b"A", token)
-        self.early: bytes | None = None
-        for body in bodies:
-            ch.put([TOKEN.pack(b"W" if streamed else b"M", token), body])
-
-    def channel_of(self) -> SimChannel:
-        return self.ch
-
-    def _answered(self) -> bool:
-        if self.early is None and self.ch.inbox:
-            parts = self.ch.inbox.pop(0)
-            if len(parts) == 2 and parts[0] in (self.ack, b"N"):
-                self.early = parts[1]
-            else:
-                self.ch.stray += 1
-        return self.early is not None or self.ch.net.now > self.deadline
-
-    def send(self, items) -> bool:
-        for (f, c, _slot, cs), view in items:
-            self.ch.put([DATA.pack(b"D", self.token, f, c, cs), bytes(view)])
-            if self._answered():
-                return False
-        return True
-
-    def end(self, final_body) -> None:
-        self.ch.put([TOKEN.pack(b"F" if self.streamed else b"E", self.token), final_body or b""])
-
-    def verdict(self, deadline: float):
-        if self.early is not None:
-            return self.early
-        return self.ch.wait((self.ack,), deadline)
-
-    def cancel(self) -> None:
-        if self.streamed:
-            self.ch.put([TOKEN.pack(b"C", self.token), b""])
+    def wait(self, headers, deadline: float, what: str = "", then=None) -> Pending:
+        return Pending(tuple(headers), deadline, then, self)
 
 
 class SimReceiver(MessageReceiver):

@@ -11,7 +11,7 @@ import pytest
 from dst.explore import explore
 from transfer.registry import names
 
-REOFFER_WITHIN = 2000  # runs; first found at run 980 under ray (dup + corrupt on the pool offer, 8 messages)
+REOFFER_WITHIN = 2000  # runs; first found at run 1114 under ray (dup + corrupt on the pool offer, 8 messages)
 
 
 @pytest.mark.parametrize("transport", names())

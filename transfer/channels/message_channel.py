@@ -33,10 +33,11 @@ class MessageChannel:
     """A sender channel over a message pipe; a subclass opens the pipe (`_open`) and says which
     `Hello` fields it asks for (`hello_fields`)."""
 
-    def __init__(self, config: TransportConfig, metrics=None, advert=None):
+    def __init__(self, config: TransportConfig, metrics=None, advert=None, clock=time.monotonic):
         from transfer.metrics import DEFAULT_METRICS
 
         self.config, self.metrics = config, metrics or DEFAULT_METRICS
+        self.clock = clock  # the time deadlines are taken from (a virtual one in the simulation)
         self.advert, self.pull = advert, False  # pull: the receiver reads our pool (it accepted the offer)
         self.offered = advert is None  # the pool was offered since the last handshake
         self.sock = None  # what carries the messages (`_open`)
@@ -95,10 +96,13 @@ class MessageChannel:
         """Whether a reply is queued within `timeout_ms`."""
         return bool(self.sock.poll(timeout_ms))
 
-    def wait(self, headers: tuple[bytes, ...], deadline: float, what: str) -> bytes:
-        """The body of the next reply under one of `headers`; TransferTimeout (and a reset) at deadline."""
+    def wait(self, headers: tuple[bytes, ...], deadline: float, what: str, then=None):
+        """The body of the next reply under one of `headers` (made into the result by `then`, when
+        given); TransferTimeout (and a reset) at deadline. The one blocking wait of the channel:
+        the simulation (`dst.channel.SimChannel`) returns the wait itself here, and its driver
+        parks the session's steps on it."""
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - self.clock()
             if left <= 0:
                 self.reset()
                 raise TransferTimeout(f"no {what} from {self.config.address} within the timeout")
@@ -106,16 +110,16 @@ class MessageChannel:
                 continue
             got = self.reply(headers)
             if got is not None:
-                return got[1]
+                return then(got[1]) if then is not None else got[1]
 
     # ---- transfer.channel.SenderChannel ---------------------------------------------------------------
     def hello_fields(self) -> dict:
         return {"stream": ""}
 
-    def request(self, kind: str, body: bytes, deadline: float) -> bytes:
+    def request(self, kind: str, body: bytes, deadline: float, then=None):
         header, answer = _REQUESTS[kind]
         self.send([header, body])
-        return self.wait((answer,), deadline, f"{kind} reply")
+        return self.wait((answer,), deadline, f"{kind} reply", then)
 
     def accepted(self, reply) -> None:
         """The receiver's hello reply: the pool is offered again at the next whole transfer."""
@@ -123,20 +127,22 @@ class MessageChannel:
         self.pull = False
         self.offered = self.advert is None  # the pool is offered at the first whole transfer
 
-    def offer_pool(self) -> None:
+    def offer_pool(self) -> bool:
         """Offer our pool (once per handshake, at the first whole transfer, so a way that is slow
         to set up, e.g. a NIXL agent, costs the handshake nothing); declined: bytes are pushed."""
         self.offered = True
         body = encode(self.advert.offer())  # this side's setup first (a NIXL agent: seconds under load)
-        deadline = time.monotonic() + self.config.connect_timeout_s  # then the wait on the receiver
-        answer = decode(self.request("pool", body, deadline), self.config.limits, (PoolReply, Nack))
+        deadline = self.clock() + self.config.connect_timeout_s  # then the wait on the receiver
+        return self.request("pool", body, deadline, then=self._pool_answer)
+
+    def _pool_answer(self, body: bytes) -> bool:
+        answer = decode(body, self.config.limits, (PoolReply, Nack))
         self.pull = isinstance(answer, PoolReply) and answer.accepted
+        return self.pull
 
     def pulls(self) -> bool:
         """Whether the receiver reads whole payloads from our pool (offered now if not yet)."""
-        if not self.offered:
-            self.offer_pool()
-        return self.pull
+        return self.offer_pool() if not self.offered else self.pull
 
     def open(self, token: int, manifest, bodies: list[bytes], frames=None, *, streamed: bool = False,
              deadline: float = float("inf")) -> _Transfer:
@@ -204,7 +210,7 @@ class _Transfer:
         """An early verdict (the receiver gave up) is waiting, or the deadline passed: stop sending."""
         if self.early is None and self.ch.sock.poll(0):
             self.early = self.ch.reply((self.ack_header,))
-        return self.early is not None or time.monotonic() > self.deadline
+        return self.early is not None or self.ch.clock() > self.deadline
 
     def send(self, items) -> bool:
         """Payload pieces ((frame, chunk, slot, xxh3), view); False once the transfer stopped."""
