@@ -232,8 +232,8 @@ class PrefillWorker(Worker):
     def session(self, decode: str) -> SenderSession:
         s = self.sessions.get(decode)
         if s is None:
-            ch = SimChannel(self.net, self.name, decode, self.tcfg, SimAdvert(self) if self.net.pull else None,
-                            self.metrics)
+            advert = SimAdvert(self) if self.net.pull else None
+            ch = SimChannel(self.net, self.name, decode, self.tcfg, advert, self.metrics)
             s = self.sessions[decode] = SenderSession(LAYOUT.fingerprint(), self.tcfg, ch,
                                                       metrics=self.metrics, clock=self.net.clock)
         return s
