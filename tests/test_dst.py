@@ -17,11 +17,11 @@ SEEDS = 2000  # the tier: seeds 0..1999, every invariant after every step
 # unless TRANSPORT names another); measured over seeds 0..1999: the first seed that finds it, and
 # how many of the 2000 do
 FOUND_WITHIN = {
-    "late_migrated": 200,           # 1cce57b; first seed 7, 123 of 2000
-    "late_submit": 500,             # 6a35fe1; first seed 165, 37 of 2000
-    "skip_checksum": 800,           # first seed 26, 59 of 2000
-    "fail_keeps_reservation": 100,  # first seed 3, 399 of 2000
-    "abort_keeps_reused": 500,      # first seed 26, 57 of 2000
+    "late_migrated": 200,           # 1cce57b; first seed 7, 126 of 2000
+    "late_submit": 500,             # 6a35fe1; first seed 165, 39 of 2000
+    "skip_checksum": 800,           # first seed 26, 60 of 2000
+    "fail_keeps_reservation": 100,  # first seed 3, 412 of 2000
+    "abort_keeps_reused": 500,      # first seed 26, 60 of 2000
     "late_read_lands": 300,         # nixl (reads are events, not cancellable): first seed 70, 21 of 2000
 }
 TRANSPORT = {"late_read_lands": "nixl"}  # zmq reads no pool: the mutant is out of its reach
