@@ -16,12 +16,12 @@ run that reaches a state already explored stops there, so no state is explored t
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 
 from dst.faults import MESSAGE_FAULTS, Fault, format_schedule
 from dst.guarantees import net_model
 from dst.mutants import mutant
+from dst.run import quiet
 from dst.workers import SimConfig, Violation
 from dst.world import World
 
@@ -134,8 +134,7 @@ def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, k
     (`dst.guarantees`): only the `kinds` it allows are placed, and the decode worker reads the
     sender's pool only where the transport reads one-sided. stream: the prefill worker migrates
     while it computes the prompt (`dst.workers.StreamFeed`)."""
-    logging.getLogger("coordinator.reconcile").setLevel(logging.ERROR)
-    logging.getLogger("transfer.refusals").setLevel(logging.ERROR)
+    quiet()
     cfg = SimConfig(prefills=1, decodes=1, reports=False)
     model = net_model(transport)
     kinds = tuple(k for k in kinds if k in model.kinds)

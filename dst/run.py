@@ -24,6 +24,13 @@ class Outcome:
     failed: int
 
 
+def quiet() -> None:
+    """Silence what the simulation makes happen on purpose: ledger discrepancies, refusals and
+    failover warnings."""
+    for name in ("coordinator.reconcile", "coordinator.core", "transfer.refusals"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def run_seed(seed: int, faults: list[Fault] | None = None, **world) -> Outcome:
     """One seed (its faults drawn from it unless given); a broken invariant is its `violation`."""
     w = World(seed, faults, **world)
@@ -42,9 +49,7 @@ def run_seeds(first: int, count: int, *, mutant_name: str | None = None, stop_at
     requests answered and failed, faults fired, and the failing outcomes."""
     failures, t0 = [], time.perf_counter()
     totals = {"seeds": 0, "answered": 0, "failed": 0, "faults": 0, "steps": 0}
-    logging.getLogger("coordinator.reconcile").setLevel(logging.ERROR)  # discrepancies are expected here
-    logging.getLogger("transfer.refusals").setLevel(logging.ERROR)
-    logging.getLogger("coordinator.core").setLevel(logging.ERROR)  # failover is what is simulated
+    quiet()
     with mutant(mutant_name):
         for seed in range(first, first + count):
             out = run_seed(seed, **world)

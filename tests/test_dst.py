@@ -3,13 +3,12 @@ migration protocol, pools and ledger with no invariant broken; every known bug p
 mutant is found within its stated number of seeds; a failure replays exactly from its printed
 schedule, shrunk to faults that all matter; the sender's protocol runs as sans-IO steps."""
 
-import logging
 
 import pytest
 
 from dst.faults import Fault, format_schedule, parse_schedule
 from dst.mutants import MUTANTS, mutant
-from dst.run import replay_command, run_seed, run_seeds, shrink
+from dst.run import quiet, replay_command, run_seed, run_seeds, shrink
 
 SEEDS = 2000  # the tier: seeds 0..1999, every invariant after every step
 
@@ -29,8 +28,7 @@ TRANSPORT = {"late_read_lands": "nixl"}  # zmq reads no pool: the mutant is out 
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    for name in ("coordinator.reconcile", "coordinator.core", "transfer.refusals"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet()
 
 
 def test_every_invariant_holds_over_the_seeds():

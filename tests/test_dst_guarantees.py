@@ -4,7 +4,6 @@ its guarantees allow; each guarantee changes what the network does; a failure's 
 the transport it ran under, and replays only under it."""
 
 import dataclasses
-import logging
 import shlex
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from dst.faults import KINDS
 from dst.guarantees import NetModel, net_model
 from dst.net import Network
-from dst.run import replay_command, run_seed, run_seeds, shrink
+from dst.run import quiet, replay_command, run_seed, run_seeds, shrink
 from pdserve_cli.main import main
 from transfer.registry import get, names
 
@@ -21,8 +20,7 @@ SEEDS = 300  # per transport
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    for name in ("coordinator.reconcile", "transfer.refusals"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet()
 
 
 def _model(name: str, base: str = "zmq", **changes) -> NetModel:
