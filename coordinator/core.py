@@ -209,7 +209,9 @@ class ClusterCore:
         s.requests.pop(request.rid, None)
         s.paths.pop(request.rid, None)
         s.ledger.close(request.rid, ok)
-        names = {request.prefill, request.decode} if not ok else (request.decode,)
+        # in a fixed order (not a set's, which varies with the process's string hashing): the
+        # simulation replays a run from its seed in any process
+        names = dict.fromkeys((request.prefill, request.decode) if not ok else (request.decode,))
         return [Tell(s.workers[name], Abort(request.rid)) for name in names if name in s.workers]
 
     def fail(self, request: RequestState, error: APIError) -> list[Action]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dst.faults import Fault, format_schedule
@@ -44,14 +45,17 @@ def run_seed(seed: int, faults: list[Fault] | None = None, **world) -> Outcome:
 
 
 def run_seeds(first: int, count: int, *, mutant_name: str | None = None, stop_at_first: bool = True,
-              **world) -> dict:
+              progress: Callable[[dict], None] | None = None, every: int = 10_000, **world) -> dict:
     """Seeds first..first+count-1 (under `mutant_name`, if given). Returns seeds run, seconds,
-    requests answered and failed, faults fired, and the failing outcomes."""
+    requests answered and failed, faults fired, and the failing outcomes. progress: told the
+    totals so far (with `seconds` and `broken`) after every `every` seeds."""
     failures, t0 = [], time.perf_counter()
     totals = {"seeds": 0, "answered": 0, "failed": 0, "faults": 0, "steps": 0}
     quiet()
     with mutant(mutant_name):
         for seed in range(first, first + count):
+            if progress is not None and totals["seeds"] and totals["seeds"] % every == 0:
+                progress({**totals, "seconds": time.perf_counter() - t0, "broken": len(failures)})
             out = run_seed(seed, **world)
             totals["seeds"] += 1
             totals["answered"] += out.answered
