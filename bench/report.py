@@ -158,6 +158,24 @@ def _fuzz(r: dict) -> list[Row]:
              ", ".join("0" for _ in bad), "pass" if not any(bad.values()) else "FAIL")]
 
 
+def _sim(r: dict) -> list[Row]:
+    """`bench sim`: seeds (its seeds and their broken invariants), or an exhaustive exploration."""
+    if "runs" in r:  # --exhaustive
+        case = (f"{r['requests']} request{'s' if r['requests'] > 1 else ''}, <= {r['max_faults']} "
+                f"fault{'s' if r['max_faults'] > 1 else ''} in the first {r['max_messages']} sends"
+                f"{', streamed' if r.get('stream') else ''}, {r['transport']}")
+        return [(f"exhaustive ({case}): {r['runs']:,} runs, {r['states']:,} distinct states in "
+                 f"{r['seconds']:.0f} s ({'complete' if r['complete'] else 'NOT complete'}): violations",
+                 "none" if not r["violation"] else "1", "none",
+                 "pass" if r["complete"] and not r["violation"] else "FAIL")]
+    broken = len(r["failures"])
+    jobs = r.get("jobs", 1)
+    return [(f"{r['seeds']:,} seeds under {r['transport']}'s guarantees: broken invariants", str(broken),
+             "0", "pass" if not broken else "FAIL"),
+            (f"seeds per second ({jobs} process{'es' if jobs > 1 else ''}), wall time",
+             _num(r["seeds_per_s"], 0), f"{r['seconds'] / 60:.1f} min", "-")]
+
+
 def _plan_validate(r: dict) -> list[Row]:
     rows: list[Row] = []
     for row in r.get("validate", {}).get("rows", []):
@@ -202,6 +220,7 @@ def _kernels(r: dict) -> list[Row]:
 SUMMARIES: dict[str, Callable[[dict], list[Row]]] = {
     "engine": _engine, "weights": _weights, "migrate": _migrate, "chaos": _chaos, "fuzz": _fuzz,
     "plan-validate": _plan_validate, "small-move": _small_move, "decode": _decode, "kernels": _kernels,
+    "sim": _sim,
 }
 
 

@@ -181,4 +181,5 @@ def explore(requests: int = 1, max_faults: int = 1, max_messages: int = 40, *, k
                 break
     return {"runs": runs, "states": len(seen), "seconds": time.perf_counter() - t0, "violation": violation,
             "complete": complete, "requests": requests, "max_faults": max_faults,
-            "max_messages": max_messages, "stage": stage, "kinds": list(kinds), "transport": model.transport}
+            "max_messages": max_messages, "stage": stage, "stream": stream, "kinds": list(kinds),
+            "transport": model.transport}

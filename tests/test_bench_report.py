@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import ResultsError, load, machine_name, render
+from bench.report import ResultsError, load, machine_name, render, summarize
 from pdserve_cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,3 +109,18 @@ def test_the_serving_study_pairs_each_workload_with_its_plan(tmp_path):
     assert (folder / "serve-goodput.png").stat().st_size > 0 and "serve-goodput.png" in text
     assert "serve-mixed.json" in text and "serve-mixed` " not in text  # in the study, not listed again
     assert main(args + ["--check"]) == 0
+
+
+def test_bench_sim_reports_are_summarized():
+    seeds = {"seeds": 1000, "failures": [], "transport": "zmq", "jobs": 2, "seeds_per_s": 400.0,
+             "seconds": 2.5}
+    rows = summarize("sim-1m", seeds)
+    assert rows[0] == ("1,000 seeds under zmq's guarantees: broken invariants", "0", "0", "pass")
+    assert rows[1][0].startswith("seeds per second (2 processes)") and rows[1][1] == "400"
+    broken = summarize("sim-1m", {**seeds, "failures": [{"seed": 3}]})
+    assert broken[0][1:] == ("1", "0", "FAIL")
+    explored = {"runs": 954, "states": 752, "seconds": 2.4, "complete": True, "violation": None,
+                "requests": 1, "max_faults": 2, "max_messages": 40, "transport": "zmq"}
+    (row,) = summarize("sim-exhaustive", explored)
+    assert "1 request, <= 2 faults in the first 40 sends, zmq" in row[0] and row[3] == "pass"
+    assert summarize("sim-exhaustive", {**explored, "complete": False})[0][3] == "FAIL"
