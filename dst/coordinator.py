@@ -33,7 +33,7 @@ from coordinator.state import Action, ClusterState, Redispatch, Replace, ResendH
 from coordinator.workers import RequestState, WorkerState
 from dst.model import LAYOUT, generate
 from dst.net import COORDINATOR
-from protocol.messages import WorkerReport
+from protocol.messages import Submit, WorkerReport
 
 _METRICS: Metrics | None = None  # one registry for every world of the process (counters only)
 
@@ -235,13 +235,16 @@ class SimCoordinator:
 
     def _report_coming(self, r: Request) -> bool:
         """Whether the migration's outcome is still to reach the coordinator: a report of it on its
-        way, or the prefill worker still at it. A request whose every token arrived may time out
-        waiting for that report (a slow link); waiting for one that can never come is a bug."""
+        way, the prefill worker's Submit on its way (a late command), or the prefill worker still at
+        it. A request whose every token arrived may time out waiting for that report (a slow link);
+        waiting for one that can never come is a bug."""
         prefill = r.state.prefill
         for ev in self.net.pending:
             msg = ev.envelope.payload if ev.envelope is not None else None
             if isinstance(msg, WorkerReport) and msg.worker == prefill and any(
                     getattr(e, "request_id", None) == r.rid for e in msg.events):
+                return True
+            if isinstance(msg, Submit) and ev.dst == prefill and msg.request_id == r.rid:
                 return True
         worker = self.workers.get(prefill)
         return worker is not None and worker.role == "prefill" and r.rid in worker.jobs
