@@ -22,6 +22,7 @@ invariants it records `vanished` (each vanished verdict with the worker's ground
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from coordinator.backend import FinalEvent
@@ -35,16 +36,14 @@ from dst.model import LAYOUT, generate
 from dst.net import COORDINATOR
 from protocol.messages import Submit, WorkerReport
 
-_METRICS: Metrics | None = None  # one registry for every world of the process (counters only)
-
 VANISHED = "the KV blocks of the request vanished on "  # the core's verdict, as it words it
 
 
+@functools.cache
 def _metrics() -> Metrics:
-    global _METRICS
-    if _METRICS is None:
-        _METRICS = Metrics()
-    return _METRICS
+    """One registry for every world of the process: it only counts, and a world decides nothing
+    from it (placement is `disaggregate=always`)."""
+    return Metrics()
 
 
 @dataclass
