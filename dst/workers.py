@@ -129,10 +129,11 @@ class StreamFeed:
 
         def chunk():
             if not task.finished and w.jobs.get(job.rid) is job:  # else dropped, or the task gave up
-                task.resume(self._compute(), None)
+                task.resume(self.compute(), None)
         w.net.timer(w.name, w.net.now + w.cfg.prefill_s, chunk)
 
-    def _compute(self):
+    def compute(self):
+        """Compute the next chunk; its item (the blocks it completed; the last one with the state)."""
         manager, seq, n = self.worker.manager, self.job.seq, len(self.job.state.token_ids) - 1
         end = min(n, self.done + self.CHUNK_TOKENS)
         write_kv(manager, seq, self.done, end)
@@ -292,9 +293,9 @@ class PrefillWorker(Worker):
         if job is None or not job.held:
             return f"request {cmd.request_id} is not held on {self.name}"
         job.held, job.started, job.task = False, False, None
-        if job.feed is not None and not job.feed.ended:  # the stream broke mid-prefill: finish it first
-            write_kv(self.manager, job.seq, job.feed.done, len(job.state.token_ids) - 1)
-            self.manager.mark_computed(job.seq, len(job.state.token_ids) - 1)
+        if job.feed is not None:  # the stream broke, perhaps mid-prefill: the prefill ends first
+            while not job.feed.ended:
+                job.feed.compute()
         job.feed = None  # a resend sends the held blocks whole
         job.decode, job.epoch = cmd.decode_worker, cmd.epoch
         self._queue(job, 0.0)
